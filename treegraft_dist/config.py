@@ -1,0 +1,40 @@
+"""Typed, validated settings of the decoding engine."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """depth D drafting layers; top_k K children per expanded node and frontier size; lookback L of the
+    expanded candidate pool; budget = nodes verified per round (root included); max_n = longest n-gram
+    matched; chain = extra tokens the best n-gram match adds below its child; call_budget = most middle
+    calls per round (None: no limit beyond the schedule)."""
+
+    depth: int = 5
+    top_k: int = 10
+    lookback: int = 5
+    budget: int = 64
+    max_n: int = 5
+    chain: int = 4
+    call_budget: int | None = None
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "budget", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("lookback", "chain"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.call_budget is not None and self.call_budget < 0:
+            raise ValueError(f"call_budget must be >= 0 or None, got {self.call_budget}")
+
+    @property
+    def max_tree_depth(self) -> int:
+        """Deepest node a round can create: each 1-based layer l adds one level plus an n-gram chain of
+        at most min(chain, depth - l) further tokens."""
+        return sum(1 + min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1))
+
+    def to_dict(self) -> dict:
+        return asdict(self)

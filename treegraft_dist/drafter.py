@@ -1,0 +1,24 @@
+"""The interface every drafter speaks, so a coordinator can drive any of them (in-process or remote)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .ngram import PrefillCache
+from .tree import DraftTree, Proposal
+
+
+class Drafter(Protocol):
+    origin: int  # ORIGIN_NGRAM or ORIGIN_MIDDLE: the tree records which drafter added a node
+
+    def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
+        """Begin a request: forget the previous one."""
+
+    def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
+        """Propose nodes for 1-based drafting `layer`, expanding `frontier`; never mutates `tree`."""
+
+    def accept(self, path: list[int], tokens: list[int]) -> None:
+        """End of a round: `path` = accepted node ids of the round's tree (root first; empty after the
+        prefill), `tokens` = what the context grew by (accepted tokens, then the bonus token)."""

@@ -1,0 +1,193 @@
+"""The decoding loop: draft a tree with two drafters under a schedule, prune, verify, repeat.
+
+`draft_tree` and `finish_round` take the drafters and the verifier as plain objects, so the same loop
+drives in-process components here and remote ones in a coordinator.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import TreeConfig
+from .hf import CausalLM
+from .neural import NeuralDrafter
+from .ngram import NGramDrafter
+from .sampling import SamplingParams
+from .schedule import SchedulePolicy, as_policy, fixed_schedule
+from .signals import Timings, compute_signals, context_signals
+from .stats import PhaseTimer, RequestStats
+from .tree import ORIGIN_NGRAM, DraftTree, Proposal
+from .verify import TargetVerifier, tree_attention
+
+AR_METHOD = "ar"
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated ids only
+    stats: RequestStats
+
+
+def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) -> np.ndarray:
+    """The top-k of the grafted entries that end a proposed chain (no other entry hangs below them)."""
+    is_end = np.ones(len(proposal), bool)
+    inner = proposal.parents[proposal.parents >= proposal.base] - proposal.base
+    is_end[inner] = False
+    return tree.ranked(np.unique(ids[is_end]))[:k]
+
+
+def draft_tree(
+    root: int, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
+    context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
+) -> tuple[DraftTree, list[bool]]:
+    """Grow one round's tree over cfg.depth layers; returns it and which layers called the middle."""
+    tree = DraftTree(root)
+    frontier = np.zeros(1, np.int64)
+    calls: list[bool] = []
+    for layer in range(cfg.depth):
+        with timer.phase("scheduler"):
+            signals = None
+            if policy.needs_signals:
+                signals = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k,
+                                          context)
+            call = (middle is not None and policy.decide(signals, layer)
+                    and (cfg.call_budget is None or sum(calls) < cfg.call_budget))
+        drafter, phase = (middle, "middle") if call else (ngram, "ngram")
+        with timer.phase(phase):
+            proposal = drafter.step(tree, frontier, layer + 1)
+        ids = tree.graft(proposal, layer + 1)
+        if len(proposal):
+            frontier = next_frontier(tree, proposal, ids, cfg.top_k)
+        calls.append(call)
+    return tree, calls
+
+
+class Decoder:
+    """One target (and optionally one middle drafter) decoding requests one at a time."""
+
+    def __init__(self, target: CausalLM, middle: CausalLM | None = None, tree: TreeConfig = TreeConfig(),
+                 sampling: SamplingParams = SamplingParams(), timings: Timings | None = None):
+        self.target = target
+        self.middle = middle
+        self.cfg = tree
+        self.sampling = sampling
+        self._timings = timings
+
+    # -- public API -----------------------------------------------------------------------------------
+    def resolve_policy(self, method) -> SchedulePolicy:
+        policy = fixed_schedule(method, self.cfg.depth) if isinstance(method, str) else as_policy(method)
+        if self.middle is None and "1" in getattr(policy, "pattern", "1"):
+            raise ValueError(f"method {policy.name!r} calls the middle drafter, but none is loaded: pass a middle model")
+        return policy
+
+    def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
+                 seed: int = 0) -> Generation:
+        """Decode `prompt`; `method` is "ar", a schedule name/pattern, or a policy."""
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        verifier = TargetVerifier(self.target, self.sampling, generator)
+        if method == AR_METHOD:
+            return self._generate_ar(verifier, prompt, max_new_tokens, set(eos_ids))
+        policy = self.resolve_policy(method)
+        return self._generate_spec(verifier, policy, prompt, max_new_tokens, set(eos_ids))
+
+    @property
+    def timings(self) -> Timings:
+        """Warm target and middle forward times (ms) over one full-budget tree; measured once."""
+        if self._timings is None:
+            self._timings = Timings(_forward_ms(self.target, self.cfg.budget),
+                                    _forward_ms(self.middle, self.cfg.budget) if self.middle else 1.0)
+        return self._timings
+
+    # -- methods --------------------------------------------------------------------------------------
+    def _generate_ar(self, verifier: TargetVerifier, prompt, max_new, eos) -> Generation:
+        stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
+        timer = PhaseTimer(stats)
+        out: list[int] = []
+        if max_new:
+            with timer.phase("prefill"):
+                tok, _ = verifier.prefill(prompt, want_prefill_cache=False)
+            out.append(tok)
+            with timer.phase("verify"):
+                while len(out) < max_new and tok not in eos:
+                    tok = verifier.step(tok)
+                    out.append(tok)
+                    stats.accepted.append(1)
+                    stats.tree_sizes.append(1)
+                    stats.middle_calls.append(0)
+        stats.rounds = len(stats.accepted)
+        stats.new_tokens = len(out)
+        timer.finish()
+        return Generation(out, stats)
+
+    def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
+        cfg = self.cfg
+        stats = RequestStats(policy.name, prompt_tokens=len(prompt))
+        context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
+        timer = PhaseTimer(stats)
+        out: list[int] = []
+        if max_new:
+            with timer.phase("prefill"):
+                first, prefill = verifier.prefill(prompt)
+            ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+            middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback) if self.middle is not None else None
+            drafters = [d for d in (ngram, middle) if d is not None]
+            for d in drafters:
+                d.start(prompt, prefill)
+                d.accept([], [first])
+            out.append(first)
+            while len(out) < max_new and out[-1] not in eos:
+                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context)
+                pruned, kept = tree.prune(cfg.budget)
+                with timer.phase("verify"):
+                    verdict = verifier.verify(pruned)
+                path = [0] + [int(kept[i]) for i in verdict.accepted]
+                for d in drafters:
+                    d.accept(path, verdict.tokens)
+                out.extend(verdict.tokens)
+                stats.accepted.append(len(verdict.tokens))
+                stats.tree_sizes.append(pruned.size)
+                stats.middle_calls.append(sum(calls))
+        out = _truncate(out, max_new, eos)
+        stats.rounds = len(stats.accepted)
+        stats.new_tokens = len(out)
+        timer.finish()
+        return Generation(out, stats)
+
+
+def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Cut at max_new tokens and after the first end-of-sequence token, as plain decoding stops."""
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _forward_ms(lm: CausalLM, block: int, past: int = 128, repeats: int = 5) -> float:
+    """Median time of one forward over a `block`-node chain-shaped tree on a `past`-token cache."""
+    tree = DraftTree(0)
+    n = block - 1
+    if n:
+        chain = np.concatenate([[0], 1 + np.arange(n - 1)]).astype(np.int64)
+        tree.graft(Proposal(1, chain, np.arange(1, n + 1) % lm.vocab_size, np.zeros(n), ORIGIN_NGRAM), 1)
+    attend, positions = tree_attention(tree, past)
+    ids = torch.from_numpy(tree.token_list().copy())
+    times = []
+    for _ in range(repeats + 1):
+        cache = lm.new_cache()
+        lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
+        t = time.perf_counter()
+        lm.hidden(cache, ids, positions, attend)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])

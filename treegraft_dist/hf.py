@@ -1,0 +1,86 @@
+"""Stock Hugging Face causal LMs as used here: a forward pass with an explicit attention mask and
+position ids over a KV cache, logits from hidden states, and in-place KV cache compaction.
+
+No modeling file is forked: a 4D mask passed to a transformers model is used as given, which is all
+tree attention needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    params = inspect.signature(model.base_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class CausalLM:
+    """A transformers causal LM driven token-block by token-block with an explicit mask."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model.eval()
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        self._cache_kw = _cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = self.head.weight.shape[0]
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        cache: DynamicCache,
+        input_ids: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        attend: torch.Tensor | None = None,  # [n, cache_len + n] bool; None = causal
+    ) -> torch.Tensor:  # [n, hidden]
+        """Run the decoder over `input_ids`, appending their keys and values to `cache`."""
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        if attend is not None:
+            mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
+            kwargs["attention_mask"] = mask[None, None]
+        out = self.base(input_ids=input_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
+                        **kwargs)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def token_logits(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]
+        tokens: torch.Tensor,  # [n] int64
+    ) -> torch.Tensor:  # [n] fp32
+        """Logit of one given token per row, without materialising the whole vocabulary."""
+        w = self.head.weight[tokens.to(self.device)]
+        out = (hidden * w).sum(-1)
+        if getattr(self.head, "bias", None) is not None:
+            out = out + self.head.bias[tokens.to(self.device)]
+        return out.float()
+
+
+def cache_len(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+@torch.inference_mode()
+def compact_cache(cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
+    """Keep cache positions [0, start) followed by `slots` (ascending, all >= start); drop the rest."""
+    n = len(slots)
+    contiguous = n == 0 or int(slots[0]) == start and int(slots[-1]) == start + n - 1
+    for layer in cache.layers:
+        if not contiguous:
+            layer.keys[..., start : start + n, :] = layer.keys[..., slots.to(layer.keys.device), :]
+            layer.values[..., start : start + n, :] = layer.values[..., slots.to(layer.values.device), :]
+        layer.keys = layer.keys[..., : start + n, :]
+        layer.values = layer.values[..., : start + n, :]

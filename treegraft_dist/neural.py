@@ -1,0 +1,148 @@
+"""The neural middle drafter: a small causal LM with its own KV cache, called at some layers of a round.
+
+A call runs the model once over every tree node it has not processed yet (tree attention), plus the
+context tokens its cache still lacks, then
+  rescore   every node's score becomes the drafter's cumulative log-prob along its path;
+  reselect  the frontier becomes the top-K by score of the expanded pool (nodes within `lookback`
+            layers of the frontier depth that this drafter has not expanded yet);
+  graft     each selected node proposes its top-K children (existing children keep their node).
+
+Cache layout during a round: [context tokens | tree nodes in the order they were processed]. After the
+round only the context plus the accepted path (as far as it was processed) stay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .hf import CausalLM, cache_len, compact_cache
+from .ngram import PrefillCache
+from .tree import ORIGIN_MIDDLE, DraftTree, Proposal
+
+NO_SLOT = -1
+_LOGIT_CHUNK = 64  # rows of vocabulary-sized logits materialised at once
+
+
+class NeuralDrafter:
+    origin = ORIGIN_MIDDLE
+
+    def __init__(self, lm: CausalLM, top_k: int = 10, lookback: int = 5):
+        self.lm = lm
+        self.top_k = top_k
+        self.lookback = lookback
+        self.start([], None)
+
+    def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
+        self.context: list[int] = list(prompt)
+        self.cache = self.lm.new_cache()
+        self.committed = 0  # context tokens held in the cache
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.slot = np.zeros(0, np.int64)  # [tree size] cache position of each processed node
+        self.hidden_rows: list[torch.Tensor] = []  # per call, [processed, hidden]
+        self.row_of = np.zeros(0, np.int64)  # [tree size] row in cat(hidden_rows)
+        self.lse = torch.zeros(0)  # [processed] logsumexp of each processed node's logits
+        self.topk_tokens = np.zeros((0, self.top_k), np.int64)
+        self.topk_logprobs = np.zeros((0, self.top_k), np.float64)
+        self._hidden = None
+
+    @property
+    def tokens_processed(self) -> int:
+        """Cache length; with the tree size it gives the tokens a call will process."""
+        return cache_len(self.cache)
+
+    def pending(self, tree: DraftTree) -> int:
+        """Tokens the next call would process: missing context plus unprocessed nodes."""
+        seen = int((self.slot[: tree.size] != NO_SLOT).sum())
+        return (len(self.context) - 1 - self.committed) + tree.size - seen
+
+    def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
+        self._process(tree)
+        scores = self._rescore(tree)
+        selected = tree.reselect(frontier, self.lookback, self.top_k, ORIGIN_MIDDLE, scores)
+        rows = self.row_of[selected]
+        parents = np.repeat(selected, self.top_k)
+        tokens = self.topk_tokens[rows].reshape(-1)
+        child_scores = (scores[selected][:, None] + self.topk_logprobs[rows]).reshape(-1)
+        return Proposal(tree.size, parents, tokens, child_scores, ORIGIN_MIDDLE, rescore=scores)
+
+    def accept(self, path: list[int], tokens: list[int]) -> None:
+        """End of a round: `path` = accepted node ids (root first) of this round's tree, `tokens` = what
+        the context grows by. Keeps the cache slots of the accepted path as far as it was processed."""
+        if len(self.slot):
+            keep = []
+            for node in path:
+                if node >= len(self.slot) or self.slot[node] == NO_SLOT:
+                    break
+                keep.append(int(self.slot[node]))
+            compact_cache(self.cache, self.committed, torch.tensor(keep, dtype=torch.int64))
+            self.committed += len(keep)
+        self.context.extend(tokens)
+        self._new_round()
+
+    def _process(self, tree: DraftTree) -> None:
+        root_pos = len(self.context) - 1
+        n = tree.size
+        if len(self.slot) < n:
+            self.slot = np.concatenate([self.slot, np.full(n - len(self.slot), NO_SLOT, np.int64)])
+            self.row_of = np.concatenate([self.row_of, np.full(n - len(self.row_of), NO_SLOT, np.int64)])
+        unseen = np.flatnonzero(self.slot[:n] == NO_SLOT)
+        catch_up = self.context[self.committed : root_pos]
+        past = cache_len(self.cache)
+        if catch_up and past != self.committed:
+            raise RuntimeError("middle drafter cache holds tree slots while it lags the context")
+        m = len(catch_up) + len(unseen)
+        if len(unseen) == 0:
+            return
+
+        # Cache column of every node once this call has appended its inputs.
+        col = self.slot[:n].copy()
+        col[unseen] = past + len(catch_up) + np.arange(len(unseen))
+        attend = np.zeros((m, past + m), bool)
+        c = len(catch_up)
+        attend[:c, : self.committed] = True
+        attend[:c, past : past + c] = np.tril(np.ones((c, c), bool))
+        attend[c:, : self.committed] = True
+        attend[c:, past : past + c] = True
+        anc = tree.ancestor_mask()[unseen]  # [unseen, n]
+        r, a = np.nonzero(anc)
+        attend[c + r, col[a]] = True
+
+        ids = torch.tensor(catch_up + tree.tokens[unseen].tolist(), dtype=torch.int64)
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(self.committed, root_pos), root_pos + tree.depths[unseen]]))
+        hidden = self.lm.hidden(self.cache, ids, positions, torch.from_numpy(attend))[c:]
+        self.committed = root_pos
+
+        lse, top_t, top_lp = [], [], []
+        for s in range(0, len(hidden), _LOGIT_CHUNK):
+            logits = self.lm.logits(hidden[s : s + _LOGIT_CHUNK])
+            z = torch.logsumexp(logits, dim=-1)
+            top = torch.topk(logits, self.top_k, dim=-1)
+            lse.append(z)
+            top_t.append(top.indices.cpu().numpy())
+            top_lp.append((top.values - z[:, None]).double().cpu().numpy())
+        first_row = sum(len(h) for h in self.hidden_rows)
+        self.hidden_rows.append(hidden)
+        self._hidden = None
+        self.lse = torch.cat([self.lse.to(hidden.device)] + lse)
+        self.topk_tokens = np.concatenate([self.topk_tokens] + top_t)
+        self.topk_logprobs = np.concatenate([self.topk_logprobs] + top_lp)
+        self.slot[unseen] = col[unseen]
+        self.row_of[unseen] = first_row + np.arange(len(unseen))
+
+    def _rescore(self, tree: DraftTree) -> np.ndarray:
+        """[tree size] cumulative drafter log-probs along every path (root = 0)."""
+        n = tree.size
+        if self._hidden is None:
+            self._hidden = torch.cat(self.hidden_rows)
+        parent_rows = torch.from_numpy(self.row_of[tree.parents[1:n]])
+        edge = (self.lm.token_logits(self._hidden[parent_rows], torch.from_numpy(tree.tokens[1:n].copy()))
+                - self.lse[parent_rows.to(self.lse.device)]).double().cpu().numpy()
+        scores = np.zeros(n, np.float64)
+        parents = tree.parents
+        for i in range(1, n):
+            scores[i] = scores[parents[i]] + edge[i - 1]
+        return scores

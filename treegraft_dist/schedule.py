@@ -1,0 +1,66 @@
+"""Schedule policies: before each drafting layer, call the middle drafter or take an n-gram step.
+
+A policy is any object with `needs_signals` and `decide(signals, layer) -> bool`; a plain callable
+`f(signals, layer) -> bool` is wrapped by `as_policy`. Fixed schedules are bit patterns: character l of
+the pattern (0-based, left to right) is 1 when layer l calls the middle drafter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+NAMED_SCHEDULES = {"all-small": "0", "all-mid": "1"}
+
+
+class SchedulePolicy(Protocol):
+    name: str
+    needs_signals: bool
+
+    def decide(self, signals: np.ndarray | None, layer: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class FixedSchedule:
+    pattern: str
+    needs_signals: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.pattern
+
+    def decide(self, signals, layer: int) -> bool:
+        return self.pattern[layer] == "1"
+
+
+@dataclass(frozen=True)
+class CallablePolicy:
+    fn: Callable[[np.ndarray, int], bool]
+    name: str = "callable"
+    needs_signals: bool = True
+
+    def decide(self, signals, layer: int) -> bool:
+        return bool(self.fn(signals, layer))
+
+
+def fixed_schedule(method: str, depth: int) -> FixedSchedule:
+    """`all-small`, `all-mid` or a `depth`-bit pattern such as 01001."""
+    if method in NAMED_SCHEDULES:
+        return FixedSchedule(NAMED_SCHEDULES[method] * depth)
+    if not re.fullmatch(r"[01]+", method) or len(method) != depth:
+        raise ValueError(
+            f"schedule {method!r} is not valid: use all-small, all-mid or a {depth}-character pattern of "
+            f"0 (n-gram step) and 1 (middle drafter), one character per layer, e.g. {('01001' * depth)[:depth]}"
+        )
+    return FixedSchedule(method)
+
+
+def as_policy(policy) -> SchedulePolicy:
+    if hasattr(policy, "decide"):
+        return policy
+    if callable(policy):
+        return CallablePolicy(policy)
+    raise TypeError(f"a schedule policy must have .decide(signals, layer) or be callable, got {type(policy)}")

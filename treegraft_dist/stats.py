@@ -1,0 +1,65 @@
+"""Per-request statistics and the timer that fills them."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+PHASES = ("prefill", "ngram", "middle", "scheduler", "verify", "other")
+
+
+@dataclass
+class RequestStats:
+    """rounds = target verification passes; accepted = tokens gained per round (bonus included);
+    tree_sizes = nodes verified per round (root included); middle_calls = middle calls per round;
+    seconds = wall time per phase; wall_s = the whole request."""
+
+    method: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    middle_calls: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    wall_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def middle_calls_per_round(self) -> float:
+        return sum(self.middle_calls) / len(self.middle_calls) if self.middle_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(mean_accepted=self.mean_accepted, middle_calls_per_round=self.middle_calls_per_round,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+
+class PhaseTimer:
+    """Accumulates wall time into RequestStats.seconds; whatever no phase claims is `other`."""
+
+    def __init__(self, stats: RequestStats):
+        self.stats = stats
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds[name] += time.perf_counter() - t
+
+    def finish(self) -> None:
+        self.stats.wall_s = time.perf_counter() - self._t0
+        claimed = sum(v for k, v in self.stats.seconds.items() if k != "other")
+        self.stats.seconds["other"] = max(0.0, self.stats.wall_s - claimed)

@@ -1,0 +1,237 @@
+"""The draft tree: the one structure that drafters, grafting, scheduler signals and verification share.
+
+Vocabulary used throughout the package:
+  root      the last accepted token (the previous round's bonus token); node 0, depth 0; the target
+            has not seen it yet.
+  node      a proposed token with a parent; ids are assigned in insertion order, so every parent id is
+            smaller than its children's ids (id order is a topological order).
+  frontier  the nodes the next drafting step expands.
+  score     cumulative log-probability along the root-to-node path, as last assigned by a drafter.
+
+Nothing is ever deleted from a tree while it is being built: grafting a child that already exists under
+its parent keeps that node (and its subtree) and only updates its score. Pruning for verification
+returns a new, smaller tree plus the ids it kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NO_PARENT = -1
+
+ORIGIN_ROOT = 0
+ORIGIN_NGRAM = 1
+ORIGIN_MIDDLE = 2
+ORIGIN_NAMES = {ORIGIN_ROOT: "root", ORIGIN_NGRAM: "ngram", ORIGIN_MIDDLE: "middle"}
+
+_INITIAL_CAPACITY = 128
+
+
+@dataclass
+class Proposal:
+    """Nodes a drafter wants grafted, as plain arrays (this is what crosses process boundaries).
+
+    `parents[j]` is either an existing node id (< `base`) or `base + i` for an earlier entry i < j of the
+    same proposal, so a drafter can propose whole chains. `rescore`, when set, replaces the scores of
+    the first `base` nodes before anything is grafted.
+    """
+
+    base: int
+    parents: np.ndarray  # [n] int64
+    tokens: np.ndarray  # [n] int64
+    scores: np.ndarray  # [n] float64
+    origin: int
+    rescore: np.ndarray | None = None  # [base] float64
+
+    @classmethod
+    def empty(cls, base: int, origin: int) -> "Proposal":
+        return cls(base, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64), origin)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class DraftTree:
+    """A growable token tree stored as parallel arrays (struct of arrays)."""
+
+    def __init__(self, root_token: int, capacity: int = _INITIAL_CAPACITY):
+        self.size = 0
+        self.tokens = np.zeros(capacity, np.int64)
+        self.parents = np.zeros(capacity, np.int64)
+        self.depths = np.zeros(capacity, np.int64)
+        self.scores = np.zeros(capacity, np.float64)
+        self.origins = np.zeros(capacity, np.int8)
+        self.layers = np.zeros(capacity, np.int8)
+        # Bit (1 << origin) is set once a drafter of that origin has expanded the node.
+        self.expanded = np.zeros(capacity, np.int8)
+        self._child: dict[tuple[int, int], int] = {}
+        self._append(NO_PARENT, int(root_token), 0.0, ORIGIN_ROOT, 0)
+
+    # -- construction ---------------------------------------------------------------------------------
+    def _append(self, parent: int, token: int, score: float, origin: int, layer: int) -> int:
+        if self.size == len(self.tokens):
+            self._grow()
+        i = self.size
+        self.tokens[i] = token
+        self.parents[i] = parent
+        self.depths[i] = 0 if parent == NO_PARENT else self.depths[parent] + 1
+        self.scores[i] = score
+        self.origins[i] = origin
+        self.layers[i] = layer
+        self.expanded[i] = 0
+        if parent != NO_PARENT:
+            self._child[(parent, token)] = i
+        self.size += 1
+        return i
+
+    def _grow(self) -> None:
+        for name in ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded"):
+            old = getattr(self, name)
+            new = np.zeros(2 * len(old), old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+    def child(self, parent: int, token: int) -> int | None:
+        return self._child.get((parent, token))
+
+    def graft(self, proposal: Proposal, layer: int) -> np.ndarray:
+        """Apply a proposal non-destructively; returns the node id of every proposal entry.
+
+        A proposed child whose token already exists under its parent keeps its node (and subtree) and
+        takes the proposed score; otherwise a new node is appended.
+        """
+        if proposal.base != self.size:
+            raise ValueError(f"proposal was made for a tree of {proposal.base} nodes, this one has {self.size}")
+        if proposal.rescore is not None:
+            self.scores[: self.size] = proposal.rescore
+        ids = np.empty(len(proposal), np.int64)
+        bit = np.int8(1 << proposal.origin)
+        for j in range(len(proposal)):
+            p = int(proposal.parents[j])
+            parent = p if p < proposal.base else int(ids[p - proposal.base])
+            tok = int(proposal.tokens[j])
+            self.expanded[parent] |= bit
+            existing = self._child.get((parent, tok))
+            if existing is None:
+                ids[j] = self._append(parent, tok, float(proposal.scores[j]), proposal.origin, layer)
+            else:
+                ids[j] = existing
+                self.scores[existing] = proposal.scores[j]
+        return ids
+
+    # -- views ----------------------------------------------------------------------------------------
+    def token_list(self) -> np.ndarray:
+        return self.tokens[: self.size]
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root to `node`, both included."""
+        out = []
+        while node != NO_PARENT:
+            out.append(node)
+            node = int(self.parents[node])
+        return out[::-1]
+
+    def path_tokens(self, node: int, limit: int | None = None) -> list[int]:
+        """Tokens on the root-to-node path (root included); only the last `limit` when given."""
+        out = []
+        while node != NO_PARENT and (limit is None or len(out) < limit):
+            out.append(int(self.tokens[node]))
+            node = int(self.parents[node])
+        return out[::-1]
+
+    def children_count(self, origin: int | None = None) -> np.ndarray:
+        """[size] number of children of each node (only those of `origin` when given)."""
+        par = self.parents[1 : self.size]
+        if origin is not None:
+            par = par[self.origins[1 : self.size] == origin]
+        return np.bincount(par, minlength=self.size)
+
+    def is_leaf(self) -> np.ndarray:
+        return self.children_count() == 0
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[size, size] bool: entry (i, j) is True iff j is i or an ancestor of i."""
+        n = self.size
+        mask = np.zeros((n, n), bool)
+        for i in range(n):
+            p = self.parents[i]
+            if p != NO_PARENT:
+                mask[i, :i] = mask[p, :i]
+            mask[i, i] = True
+        return mask
+
+    def leaf_paths(self) -> np.ndarray:
+        """[n_leaves, max_depth + 1] node ids of every root-to-leaf path, padded with NO_PARENT."""
+        leaves = np.flatnonzero(self.is_leaf())
+        out = np.full((len(leaves), int(self.depths[: self.size].max()) + 1), NO_PARENT, np.int64)
+        for r, leaf in enumerate(leaves):
+            p = self.path(int(leaf))
+            out[r, : len(p)] = p
+        return out
+
+    # -- selection ------------------------------------------------------------------------------------
+    def ranked(self, ids: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
+        """`ids` ordered best first: higher score, then earlier insertion (stable)."""
+        s = self.scores if scores is None else scores
+        ids = np.asarray(ids, np.int64)
+        return ids[np.argsort(-s[ids], kind="stable")]
+
+    def expanded_pool(self, frontier: np.ndarray, lookback: int, origin: int) -> np.ndarray:
+        """Candidates a neural step may expand: nodes at most `lookback` layers shallower than the
+        deepest frontier node (deeper nodes too) that the drafter of `origin` has not expanded yet."""
+        depth = self.depths[: self.size]
+        fd = int(depth[frontier].max()) if len(frontier) else int(depth.max())
+        not_done = (self.expanded[: self.size] & (1 << origin)) == 0
+        return np.flatnonzero((depth >= fd - lookback) & not_done)
+
+    def reselect(self, frontier: np.ndarray, lookback: int, k: int, origin: int,
+                 scores: np.ndarray | None = None) -> np.ndarray:
+        """The top-k of the expanded pool by score: the frontier a neural step would expand."""
+        return self.ranked(self.expanded_pool(frontier, lookback, origin), scores)[:k]
+
+    def prune(self, budget: int) -> tuple["DraftTree", np.ndarray]:
+        """Keep at most `budget` nodes (root included) by score, always with all their ancestors.
+
+        Returns the pruned tree (ids renumbered, order preserved) and `kept`, the original id of each
+        of its nodes.
+        """
+        if budget < 1:
+            raise ValueError(f"tree budget must be at least 1 (the root), got {budget}")
+        keep = np.zeros(self.size, bool)
+        keep[0] = True
+        count = 1
+        for i in self.ranked(np.arange(1, self.size)):
+            if count >= budget:
+                break
+            if keep[i]:
+                continue
+            missing = []
+            j = int(i)
+            while not keep[j]:
+                missing.append(j)
+                j = int(self.parents[j])
+            if count + len(missing) <= budget:
+                keep[missing] = True
+                count += len(missing)
+        kept = np.flatnonzero(keep)
+        return self.subtree(kept), kept
+
+    def subtree(self, kept: np.ndarray) -> "DraftTree":
+        """A new tree of the nodes `kept` (ascending ids, closed under ancestors, root first)."""
+        remap = {int(old): new for new, old in enumerate(kept)}
+        out = DraftTree(int(self.tokens[0]), capacity=max(len(kept), 1))
+        out.scores[0] = self.scores[0]
+        for old in kept[1:]:
+            old = int(old)
+            out._append(remap[int(self.parents[old])], int(self.tokens[old]), float(self.scores[old]),
+                        int(self.origins[old]), int(self.layers[old]))
+        out.expanded[: len(kept)] = self.expanded[kept]
+        return out
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"DraftTree(size={self.size}, max_depth={int(self.depths[: self.size].max())})"

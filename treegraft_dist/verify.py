@@ -1,0 +1,126 @@
+"""The target side: prefill, one tree-attention verification pass per round, and acceptance.
+
+Per round the verifier sees the pruned tree. Of its nodes, the *accepted* ones form the longest
+root-to-node path the target agrees with; the *bonus* token is the target's own pick after the last
+accepted node. Greedy: a child is accepted when its token is the target's argmax at its parent. With
+temperature > 0: recursive rejection sampling over siblings, exact for deterministic proposals (every
+drafter here proposes deterministically), so the output distribution equals the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .hf import CausalLM, cache_len, compact_cache
+from .ngram import PrefillCache
+from .sampling import SamplingParams, next_token, sample, target_probs
+from .tree import DraftTree
+
+PREFILL_TOPK = 10
+_PREFILL_CHUNK = 256  # rows of vocabulary-sized logits materialised at once
+
+
+@dataclass
+class Verdict:
+    accepted: list[int]  # node ids of the pruned tree, root excluded, root-to-leaf order
+    tokens: list[int]  # their tokens followed by the bonus token: what the context grows by
+
+
+def tree_attention(
+    tree: DraftTree, past: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, past + n] bool, [n] int64)
+    """Mask and positions for a whole tree appended after `past` cached tokens: each node sees the
+    cache and its own ancestors; a node's position is past + depth."""
+    n = tree.size
+    attend = torch.ones((n, past + n), dtype=torch.bool)
+    attend[:, past:] = torch.from_numpy(tree.ancestor_mask())
+    positions = torch.from_numpy(tree.depths[:n] + past)
+    return attend, positions
+
+
+class TargetVerifier:
+    """Holds the target's KV cache (always the context minus its last token, the next root)."""
+
+    def __init__(self, lm: CausalLM, sampling: SamplingParams, generator: torch.Generator | None = None):
+        self.lm = lm
+        self.sampling = sampling
+        self.generator = generator
+        self.cache = lm.new_cache()
+
+    def prefill(self, prompt: list[int], want_prefill_cache: bool = True) -> tuple[int, PrefillCache | None]:
+        """Process the prompt; return the first generated token and the top-k prefill cache."""
+        self.cache = self.lm.new_cache()
+        ids = torch.tensor(prompt, dtype=torch.int64)
+        h = self.lm.hidden(self.cache, ids, torch.arange(len(prompt)))
+        first = next_token(self.lm.logits(h[-1:])[0], self.sampling, self.generator)
+        if not want_prefill_cache:
+            return first, None
+        toks, lps = [], []
+        for s in range(0, len(prompt), _PREFILL_CHUNK):
+            logp = torch.log_softmax(self.lm.logits(h[s : s + _PREFILL_CHUNK]), dim=-1)
+            top = torch.topk(logp, PREFILL_TOPK, dim=-1)
+            toks.append(top.indices.cpu())
+            lps.append(top.values.cpu())
+        return first, PrefillCache(torch.cat(toks).numpy(), torch.cat(lps).double().numpy())
+
+    def step(self, token: int) -> int:
+        """Plain decoding: feed one token, return the next (the autoregressive baseline)."""
+        past = cache_len(self.cache)
+        h = self.lm.hidden(self.cache, torch.tensor([token]), torch.tensor([past]))
+        return next_token(self.lm.logits(h)[0], self.sampling, self.generator)
+
+    def verify(self, tree: DraftTree) -> Verdict:
+        """One target pass over the pruned tree; keeps the KV entries of the accepted path only."""
+        past = cache_len(self.cache)
+        attend, positions = tree_attention(tree, past)
+        h = self.lm.hidden(self.cache, torch.from_numpy(tree.token_list().copy()), positions, attend)
+        logits = self.lm.logits(h)
+        if self.sampling.greedy:
+            verdict = _accept_greedy(tree, torch.argmax(logits, dim=-1).tolist())
+        else:
+            verdict = _accept_sampled(tree, target_probs(logits, self.sampling), self.generator)
+        slots = torch.tensor([past] + [past + i for i in verdict.accepted], dtype=torch.int64)
+        compact_cache(self.cache, past, slots)
+        return verdict
+
+
+def _accept_greedy(tree: DraftTree, argmax: list[int]) -> Verdict:
+    accepted, node = [], 0
+    while (child := tree.child(node, argmax[node])) is not None:
+        accepted.append(child)
+        node = child
+    tokens = [int(tree.tokens[i]) for i in accepted] + [argmax[node]]
+    return Verdict(accepted, tokens)
+
+
+def _children_ranked(tree: DraftTree) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(tree.size)]
+    for i in tree.ranked(np.arange(1, tree.size)):
+        kids[int(tree.parents[i])].append(int(i))
+    return kids
+
+
+def _accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """Recursive rejection sampling: at each node try its children best-first; a child is accepted
+    with its probability under the residual distribution, otherwise removed from it. The bonus token
+    is drawn from the residual at the last accepted node."""
+    kids = _children_ranked(tree)
+    accepted, node = [], 0
+    while True:
+        residual = probs[node]
+        for child in kids[node]:
+            tok = int(tree.tokens[child])
+            u = torch.rand(1, generator=generator, device=probs.device)
+            if u < residual[tok]:
+                break
+            residual = residual.clone()
+            residual[tok] = 0.0
+            residual = residual / residual.sum()
+        else:
+            tokens = [int(tree.tokens[i]) for i in accepted] + [sample(residual, generator)]
+            return Verdict(accepted, tokens)
+        accepted.append(child)
+        node = child
