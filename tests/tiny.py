@@ -54,7 +54,30 @@ def tiny_pair(arch: str = "llama", middle: str = "close", seed: int = 0, vocab: 
 
 def hf_greedy(lm: CausalLM, prompt: list[int], n: int) -> list[int]:
     """The oracle: transformers' own greedy generate."""
+    if n == 0:
+        return []
     ids = torch.tensor([prompt])
     out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def char_tokenizer():
+    """A character-level tokenizer over printable ASCII (95 ids) plus <unk>: VOCAB = 96 ids in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(c): c - 32 for c in range(32, 127)}
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    return fast
+
+
+def save_tiny(folder, model, tokenizer) -> str:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -34,11 +34,9 @@ class Generation:
 
 
 def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) -> np.ndarray:
-    """The top-k of the grafted entries that end a proposed chain (no other entry hangs below them)."""
-    is_end = np.ones(len(proposal), bool)
-    inner = proposal.parents[proposal.parents >= proposal.base] - proposal.base
-    is_end[inner] = False
-    return tree.ranked(np.unique(ids[is_end]))[:k]
+    """The top-k of the grafted nodes that end a proposed chain (no proposed entry hangs below them)."""
+    hung = ids[proposal.parents[proposal.parents >= proposal.base] - proposal.base]
+    return tree.ranked(np.setdiff1d(ids, hung))[:k]
 
 
 def draft_tree(

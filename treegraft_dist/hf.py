@@ -41,12 +41,18 @@ class CausalLM:
         positions: torch.Tensor,  # [n] int64
         attend: torch.Tensor | None = None,  # [n, cache_len + n] bool; None = causal
     ) -> torch.Tensor:  # [n, hidden]
-        """Run the decoder over `input_ids`, appending their keys and values to `cache`."""
-        kwargs = {self._cache_kw: cache, "use_cache": True}
-        if attend is not None:
-            mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
-            kwargs["attention_mask"] = mask[None, None]
+        """Run the decoder over `input_ids`, appending their keys and values to `cache`.
+
+        The mask is always explicit, causal included: without one, transformers picks SDPA's grouped-query
+        path, which is orders of magnitude slower on CPU for small blocks.
+        """
+        n = len(input_ids)
+        if attend is None:
+            past = cache_len(cache)
+            attend = torch.ones((n, past + n), dtype=torch.bool).tril_(past)
+        mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
+        kwargs = {self._cache_kw: cache, "use_cache": True, "attention_mask": mask[None, None]}
         out = self.base(input_ids=input_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
                         **kwargs)
         return out.last_hidden_state[0]

@@ -29,7 +29,7 @@ class NeuralDrafter:
 
     def __init__(self, lm: CausalLM, top_k: int = 10, lookback: int = 5):
         self.lm = lm
-        self.top_k = top_k
+        self.top_k = min(top_k, lm.vocab_size)
         self.lookback = lookback
         self.start([], None)
 

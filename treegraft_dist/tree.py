@@ -176,7 +176,7 @@ class DraftTree:
         """`ids` ordered best first: higher score, then earlier insertion (stable)."""
         s = self.scores if scores is None else scores
         ids = np.asarray(ids, np.int64)
-        return ids[np.argsort(-s[ids], kind="stable")]
+        return ids[np.lexsort((ids, -s[ids]))]
 
     def expanded_pool(self, frontier: np.ndarray, lookback: int, origin: int) -> np.ndarray:
         """Candidates a neural step may expand: nodes at most `lookback` layers shallower than the

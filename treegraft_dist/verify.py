@@ -61,7 +61,7 @@ class TargetVerifier:
         toks, lps = [], []
         for s in range(0, len(prompt), _PREFILL_CHUNK):
             logp = torch.log_softmax(self.lm.logits(h[s : s + _PREFILL_CHUNK]), dim=-1)
-            top = torch.topk(logp, PREFILL_TOPK, dim=-1)
+            top = torch.topk(logp, min(PREFILL_TOPK, logp.shape[-1]), dim=-1)
             toks.append(top.indices.cpu())
             lps.append(top.values.cpu())
         return first, PrefillCache(torch.cat(toks).numpy(), torch.cat(lps).double().numpy())

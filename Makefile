@@ -1,0 +1,29 @@
+# Every install step lives here. TORCH pins the PyTorch build; on a CUDA machine use e.g.
+#   make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: setup eval test test-fast test-realmodel
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job: evaluation of every method on the embedded default pair, on CPU.
+eval: $(STAMP)
+	$(VENV)/bin/treegraft eval --device cpu --out out/eval
+
+# Fast suite, then the real-model smoke test (prepares the embedded pair on first use).
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m realmodel
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q

@@ -1,0 +1,151 @@
+"""The oracle: every speculative schedule reproduces the target's own greedy decoding, token for token."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Decoder
+from treegraft_dist.hf import CausalLM
+from treegraft_dist.signals import NUM_SIGNALS
+
+PAIRS = {}
+
+
+def pair(arch, middle):
+    if (arch, middle) not in PAIRS:
+        PAIRS[arch, middle] = tiny_pair(arch, middle)
+    return PAIRS[arch, middle]
+
+
+def prompts(seed, n=4, length=24):
+    rng = random.Random(seed)
+    out = [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(n)]
+    # Repetitive prompts: the n-gram drafter finds long matches.
+    out.append([rng.randrange(VOCAB) for _ in range(6)] * 5)
+    out.append(([3, 1, 4, 1, 5, 9, 2, 6] * 4)[:-3])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("middle", ["close", "random"])
+def test_fixed_schedules_equal_target_greedy(arch, middle):
+    target, mid = pair(arch, middle)
+    dec = Decoder(target, mid)
+    for prompt in prompts(hash((arch, middle)) % 1000):
+        ref = hf_greedy(target, prompt, 40)
+        for method in ("ar", "all-small", "all-mid", "01001", "10110"):
+            assert dec.generate(prompt, 40, method).tokens == ref, (method, prompt)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pattern=st.text("01", min_size=5, max_size=5),
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+    repeat=st.integers(1, 3),
+    arch=st.sampled_from(["llama", "qwen3"]),
+    n=st.integers(0, 30),
+)
+def test_random_schedules_equal_target_greedy(pattern, prompt, repeat, arch, n):
+    target, mid = pair(arch, "close")
+    prompt = (prompt * repeat)[:60]
+    got = Decoder(target, mid).generate(prompt, n, pattern).tokens
+    assert got == hf_greedy(target, prompt, n)
+
+
+@settings(max_examples=12, deadline=None)
+@given(depth=st.integers(1, 5), top_k=st.integers(1, 6), lookback=st.integers(0, 5), budget=st.integers(1, 40),
+       chain=st.integers(0, 4), seed=st.integers(0, 10_000))
+def test_any_tree_shape_is_lossless(depth, top_k, lookback, budget, chain, seed):
+    target, mid = pair("qwen3", "close")
+    rng = random.Random(seed)
+    pattern = "".join(rng.choice("01") for _ in range(depth))
+    cfg = TreeConfig(depth=depth, top_k=top_k, lookback=lookback, budget=budget, chain=chain)
+    prompt = [rng.randrange(VOCAB) for _ in range(8)] * 3
+    got = Decoder(target, mid, cfg).generate(prompt, 30, pattern)
+    assert got.tokens == hf_greedy(target, prompt, 30)
+    assert max(got.stats.tree_sizes) <= budget
+
+
+def test_perfect_drafter_accepts_deep_paths_and_stays_exact():
+    # The middle drafter is the target itself: acceptance is long, so caches are compacted across many
+    # multi-token rounds.
+    model = tiny_model("llama", init=0.6)
+    target, mid = CausalLM(model), CausalLM(perturbed_copy(model, 0.0, 0))
+    prompt = list(range(10, 30))
+    got = Decoder(target, mid).generate(prompt, 60, "all-mid")
+    assert got.tokens == hf_greedy(target, prompt, 60)
+    assert got.stats.mean_accepted > 3
+
+
+def test_eos_stops_like_plain_decoding():
+    target, mid = pair("llama", "close")
+    prompt = [5, 6, 7, 8] * 4
+    ref = hf_greedy(target, prompt, 40)
+    eos = ref[17]
+    expected = ref[: ref.index(eos) + 1]
+    for method in ("ar", "all-small", "all-mid", "01001"):
+        assert Decoder(target, mid).generate(prompt, 40, method, eos_ids={eos}).tokens == expected
+
+
+def test_statistics_are_consistent():
+    target, mid = pair("qwen3", "close")
+    prompt = [1, 2, 3, 4, 5, 6] * 4
+    g = Decoder(target, mid).generate(prompt, 50, "01001")
+    s = g.stats
+    assert s.new_tokens == len(g.tokens) == 50
+    assert s.rounds == len(s.accepted) == len(s.tree_sizes) == len(s.middle_calls)
+    # The first token comes from the prefill; every round adds its accepted tokens and a bonus token.
+    assert 1 + sum(s.accepted) >= 50 > sum(s.accepted[:-1]) + 1
+    assert all(c == 2 for c in s.middle_calls)
+    assert all(1 <= t <= 64 for t in s.tree_sizes)
+    assert s.wall_s >= sum(v for k, v in s.seconds.items() if k != "other") - 1e-6
+    assert s.seconds["middle"] > 0 and s.seconds["ngram"] > 0 and s.seconds["verify"] > 0
+
+
+def test_callable_policy_gets_17_signals_and_call_budget_holds():
+    target, mid = pair("llama", "close")
+    seen = []
+
+    def policy(signals, layer):
+        seen.append((layer, signals))
+        return True
+
+    cfg = TreeConfig(call_budget=2)
+    prompt = [9, 8, 7, 6, 5] * 4
+    g = Decoder(target, mid, cfg).generate(prompt, 30, policy)
+    assert g.tokens == hf_greedy(target, prompt, 30)
+    assert all(c == 2 for c in g.stats.middle_calls)
+    assert [layer for layer, _ in seen[:5]] == [0, 1, 2, 3, 4]
+    sig = seen[3][1]
+    assert sig.shape == (NUM_SIGNALS,) and np.isfinite(sig).all()
+    # Call prefix before layer 3: two calls (layers 0 and 1), the budget refused layer 2.
+    assert sig[4] == pytest.approx(3 / 5) and sig[5] == pytest.approx(2 / 5)
+    assert list(sig[6:11]) == [1, 1, 0, 0, 0]
+
+
+def test_middle_required_for_middle_schedules():
+    target, _ = pair("llama", "close")
+    dec = Decoder(target, None)
+    assert dec.generate([1, 2, 3], 5, "all-small").tokens == hf_greedy(target, [1, 2, 3], 5)
+    with pytest.raises(ValueError, match="middle drafter"):
+        dec.generate([1, 2, 3], 5, "all-mid")
+    with pytest.raises(ValueError, match="pattern"):
+        dec.generate([1, 2, 3], 5, "0120")
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], 5, "all-small")
+
+
+def test_eager_and_sdpa_attention_agree():
+    # The tree mask is an additive float mask, which both attention kernels accept.
+    model = tiny_model("qwen3", attn="eager")
+    target = CausalLM(model)
+    mid = CausalLM(perturbed_copy(model, 0.2, 3))
+    prompt = [4, 4, 2, 7, 1, 4, 4, 2] * 3
+    assert Decoder(target, mid).generate(prompt, 30, "10101").tokens == hf_greedy(target, prompt, 30)
+    torch.testing.assert_close(torch.tensor(0.0), torch.tensor(0.0))

@@ -1,0 +1,281 @@
+"""The n-gram drafter on hand-made contexts: index matching, prefill scores, and whole drafting steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treegraft_dist.ngram import OUTSIDE_TOPK_PENALTY, NGramDrafter, NGramIndex, PrefillCache
+from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
+
+
+def index_of(tokens, max_n=5) -> NGramIndex:
+    index = NGramIndex(max_n)
+    index.extend(tokens)
+    return index
+
+
+def prefill_of(rows: list[dict[int, float]]) -> PrefillCache:
+    """Row i: {token: log-prob} of the token at position i + 1 (all rows the same width)."""
+    width = max(len(r) for r in rows)
+    toks = np.zeros((len(rows), width), np.int64)
+    lps = np.zeros((len(rows), width), np.float64)
+    for i, r in enumerate(rows):
+        items = sorted(r.items(), key=lambda kv: -kv[1])
+        toks[i], lps[i] = [t for t, _ in items], [lp for _, lp in items]
+    return PrefillCache(toks, lps)
+
+
+def entries(prop: Proposal) -> list[tuple[int, int]]:
+    return list(zip(prop.parents.tolist(), prop.tokens.tolist()))
+
+
+# -- NGramIndex.matches -------------------------------------------------------------------------------
+
+A = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+
+
+@pytest.mark.parametrize("suffix, k, want", [
+    ([1, 2, 3], 10, [(3, 7), (3, 3)]),  # the trailing 1 2 3 has no follower yet
+    ([9, 2, 3], 10, [(2, 7), (2, 3)]),
+    ([3], 10, [(1, 7), (1, 3)]),
+    ([2], 10, [(1, 10)]),  # three occurrences, one distinct follower: the most recent
+    ([3, 5, 1], 10, [(3, 9)]),
+    ([4, 1, 2, 3, 5, 1], 10, [(5, 9)]),  # only the last max_n tokens count
+    ([1, 2, 3], 1, [(3, 7)]),
+    ([7], 10, []),
+    ([], 10, []),
+])
+def test_matches_on_a_repetitive_context(suffix, k, want):
+    assert index_of(A).matches(suffix, k) == want
+
+
+def test_longer_match_beats_a_more_recent_one():
+    index = index_of([5, 6, 7, 0, 8, 7, 9])
+    assert index.matches([6, 7], 10) == [(2, 3), (1, 6)]
+    assert index.matches([8, 7], 10) == [(2, 6), (1, 3)]
+
+
+def test_most_recent_first_and_at_most_k():
+    index = index_of([0, 1, 0, 2, 0, 3, 0, 4, 0])
+    assert index.matches([0], 2) == [(1, 7), (1, 5)]
+    assert index.matches([0], 10) == [(1, 7), (1, 5), (1, 3), (1, 1)]
+
+
+def test_an_ngram_at_the_end_of_the_context_is_not_a_match():
+    index = index_of([1, 2, 3])
+    assert index.matches([2, 3], 10) == []
+    assert index.matches([3], 10) == []
+    assert index.matches([1, 2], 10) == [(2, 2)]
+    index.extend([8])  # now 2 3 and 3 have a follower
+    assert index.matches([2, 3], 10) == [(2, 3)]
+
+
+def test_max_n_bounds_the_match_length():
+    index = index_of([1, 2, 3, 4, 9, 2, 3, 5], max_n=2)
+    # "1 2 3" would pick 4; with max_n 2 only "2 3" counts, and its most recent follower is 5.
+    assert index.matches([1, 2, 3], 10) == [(2, 7), (2, 3)]
+
+
+def test_extend_in_pieces_equals_extend_at_once():
+    whole = index_of(A)
+    pieces = NGramIndex(5)
+    for a, b in [(0, 3), (3, 4), (4, 11)]:
+        pieces.extend(A[a:b])
+    assert pieces.tokens == whole.tokens
+    for suffix in ([1, 2, 3], [3], [2, 3, 5], [4, 1]):
+        assert pieces.matches(suffix, 10) == whole.matches(suffix, 10)
+
+
+def test_most_frequent_token():
+    index = index_of([4, 5, 5, 6, 5, 4])
+    assert index.most_frequent == 5
+    assert NGramIndex(5).most_frequent == -1
+
+
+def brute_matches(ctx, suffix, k, max_n):
+    out, seen = [], set()
+    for n in range(min(max_n, len(suffix)), 0, -1):
+        for p in range(len(ctx) - 1, n - 1, -1):
+            if ctx[p - n : p] == suffix[len(suffix) - n :] and ctx[p] not in seen:
+                seen.add(ctx[p])
+                out.append((n, p))
+                if len(out) == k:
+                    return out
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=7),
+       st.integers(1, 5), st.integers(1, 5))
+def test_matches_equal_a_brute_force_scan(ctx, suffix, k, max_n):
+    assert index_of(ctx, max_n).matches(suffix, k) == brute_matches(ctx, suffix, k, max_n)
+
+
+# -- PrefillCache -------------------------------------------------------------------------------------
+
+def test_prefill_logprob():
+    cache = prefill_of([{5: -0.1, 6: -2.0}, {7: -0.5, 8: -1.5}, {9: -0.2, 10: -3.0}])
+    floor = -3.0 - OUTSIDE_TOPK_PENALTY
+    assert cache.floor == floor
+    assert cache.logprob(1, 5) == -0.1  # row = position - 1
+    assert cache.logprob(1, 6) == -2.0
+    assert cache.logprob(1, 7) == floor  # in another row's top-k, not this one's
+    assert cache.logprob(2, 8) == -1.5
+    assert cache.logprob(3, 9) == -0.2  # position = prompt length: the first generated token
+    assert cache.logprob(3, 99) == floor
+    assert cache.logprob(0, 5) == 0.0
+    assert cache.logprob(4, 9) == 0.0  # beyond the prompt: nothing cached
+    assert cache.logprob(100, 9) == 0.0
+
+
+# -- NGramDrafter.step --------------------------------------------------------------------------------
+
+# 0  1  2  3  4  5  6  7  8   9  10  11 12 13
+P = [1, 2, 3, 4, 5, 6, 7, 8, 11, 2, 30, 5, 1, 2]
+
+
+def p_prefill() -> PrefillCache:
+    """Position q's true token P[q] gets -q/10 (row 9 leaves 30 out), every row also names 50 at -4."""
+    rows = [{(P[r + 1] if r + 1 < len(P) else 99): -(r + 1) / 10, 50: -4.0} for r in range(len(P))]
+    rows[9] = {31: -1.0, 50: -4.0}
+    return prefill_of(rows)
+
+
+FLOOR = -4.0 - OUTSIDE_TOPK_PENALTY
+
+
+def drafter(context, prefill=None, **kw) -> NGramDrafter:
+    d = NGramDrafter(**kw)
+    d.start(context, prefill)
+    return d
+
+
+def test_step_from_the_root_children_order_scores_and_chain():
+    d = drafter(P, p_prefill())
+    tree = DraftTree(P[-1])
+    prop = d.step(tree, np.array([0]), 1)
+    # Root suffix ... 1 2: "1 2" matched at 0..1 (followed by 3 at position 2); "2" also at 9 (-> 30 at 10).
+    # Best match 3 carries min(chain 4, depth 5 - layer 1) = 4 more tokens: 4 5 6 7.
+    assert prop.base == 1 and prop.origin == ORIGIN_NGRAM and prop.rescore is None
+    assert entries(prop) == [(0, 3), (1, 4), (2, 5), (3, 6), (4, 7), (0, 30)]
+    want = np.cumsum([-0.2, -0.3, -0.4, -0.5, -0.6]).tolist() + [FLOOR]
+    assert prop.scores.tolist() == pytest.approx(want)
+    assert tree.size == 1  # a step never mutates the tree
+
+
+@pytest.mark.parametrize("depth, chain, layer, want_chain", [
+    (5, 4, 1, [4, 5, 6, 7]),
+    (3, 4, 1, [4, 5]),  # depth - layer = 2
+    (5, 1, 1, [4]),
+    (5, 0, 1, []),
+    (5, 4, 2, [4, 5, 6]),
+    (5, 4, 5, []),
+])
+def test_chain_length_is_min_of_chain_and_remaining_depth(depth, chain, layer, want_chain):
+    d = drafter(P, None, depth=depth, chain=chain)
+    prop = d.step(DraftTree(P[-1]), np.array([0]), layer)
+    chain_parents = [0] + [1 + i for i in range(len(want_chain))]
+    assert entries(prop) == list(zip(chain_parents, [3] + want_chain)) + [(0, 30)]
+    assert prop.scores.tolist() == [0.0] * len(prop)  # no prefill cache: every log-prob is 0
+
+
+def test_chain_stops_at_the_end_of_the_context():
+    d = drafter(A)
+    prop = d.step(DraftTree(A[-1]), np.array([0]), 1)
+    # "1 2 3" followed by 5 at 7 (most recent), then by 4 at 3; the chain after 7 is 1 2 3, then the end.
+    assert entries(prop) == [(0, 5), (1, 1), (2, 2), (3, 3), (0, 4)]
+
+
+def test_top_k_limits_the_children():
+    d = drafter(P, None, top_k=1)
+    assert entries(d.step(DraftTree(P[-1]), np.array([0]), 1)) == [(0, 3), (1, 4), (2, 5), (3, 6), (4, 7)]
+
+
+def test_step_from_a_deeper_node_uses_its_path_and_its_score():
+    d = drafter(P, p_prefill())
+    tree = DraftTree(P[-1])
+    tree.graft(Proposal(1, np.array([0]), np.array([3]), np.array([-0.7]), ORIGIN_MIDDLE), 1)
+    prop = d.step(tree, np.array([1]), 2)
+    # Path 2 -> 3 after context ... 5 1: "1 2 3" matched at 0..2, followed by 4 at 3; chain 5 6 7 (3 = 5 - 2).
+    assert prop.base == 2
+    assert entries(prop) == [(1, 4), (2, 5), (3, 6), (4, 7)]
+    assert prop.scores.tolist() == pytest.approx((-0.7 + np.cumsum([-0.3, -0.4, -0.5, -0.6])).tolist())
+
+
+def test_layer_one_fallback_is_the_most_frequent_token_for_the_root_only():
+    ctx = [5, 5, 6, 7]  # the root 7 never occurred before: no match at any length
+    floor = -1.0 - OUTSIDE_TOPK_PENALTY
+    d = drafter(ctx, prefill_of([{5: -0.5}, {6: -1.0}, {7: -0.2}, {8: -0.3}]))
+    tree = DraftTree(7)
+    prop = d.step(tree, np.array([0]), 1)
+    assert entries(prop) == [(0, 5)]
+    assert prop.scores.tolist() == [floor]
+
+    assert len(d.step(tree, np.array([0]), 2)) == 0  # no fallback after layer 1
+
+    tree.graft(Proposal(1, np.array([0]), np.array([42]), np.array([-1.0]), ORIGIN_MIDDLE), 1)
+    assert len(d.step(tree, np.array([1]), 1)) == 0  # no fallback below the root
+    assert entries(d.step(tree, np.array([1, 0]), 1)) == [(0, 5)]
+
+    no_cache = drafter(ctx).step(DraftTree(7), np.array([0]), 1)
+    assert entries(no_cache) == [(0, 5)] and no_cache.scores.tolist() == [0.0]
+
+
+def test_a_parent_with_fewer_than_k_ngram_children_is_not_expanded_again():
+    d = drafter(P, None, top_k=10)
+    tree = DraftTree(P[-1])
+    tree.graft(Proposal(1, np.array([0, 0]), np.array([3, 30]), np.zeros(2), ORIGIN_NGRAM), 1)
+    assert tree.expanded[0] & (1 << ORIGIN_NGRAM)
+    assert len(d.step(tree, np.array([0]), 2)) == 0
+
+    # With K = 2 the root has its full K n-gram children: it is expanded again (same children, chain).
+    d2 = drafter(P, None, top_k=2)
+    assert entries(d2.step(tree, np.array([0]), 2)) == [(0, 3), (3, 4), (4, 5), (5, 6), (0, 30)]
+
+    # Only the n-gram bit counts: a node expanded by the middle drafter is still open to the n-gram step.
+    mid = DraftTree(P[-1])
+    mid.graft(Proposal(1, np.array([0, 0]), np.array([3, 30]), np.zeros(2), ORIGIN_MIDDLE), 1)
+    assert entries(d.step(mid, np.array([0]), 2)) == [(0, 3), (3, 4), (4, 5), (5, 6), (0, 30)]
+
+
+def test_a_closed_parent_is_skipped_but_the_rest_of_the_frontier_is_not():
+    d = drafter(P, None)
+    tree = DraftTree(P[-1])
+    # Root -> 3 (node 1) -> 4 (node 2, a chain child), root -> 30 (node 3).
+    tree.graft(Proposal(1, np.array([0, 1, 0]), np.array([3, 4, 30]), np.zeros(3), ORIGIN_NGRAM), 1)
+    prop = d.step(tree, np.array([1, 2, 3]), 2)
+    # Node 1 has one n-gram child (< K): skipped. Node 2: "1 2 3 4" -> 5, chain 6 7 8. Node 3: "2 30" ->
+    # 5 at 11, chain 1 2 (the context ends there).
+    assert prop.base == 4
+    assert entries(prop) == [(2, 5), (4, 6), (5, 7), (6, 8), (3, 5), (8, 1), (9, 2)]
+
+
+# -- the drafter's context ----------------------------------------------------------------------------
+
+def test_accepted_tokens_become_matchable():
+    d = drafter([1, 2, 3])
+    assert d.index.matches([3], 10) == []
+    d.accept([0, 1], [4, 5, 3])
+    assert d.index.tokens == [1, 2, 3, 4, 5, 3]
+    assert d.index.matches([3], 10) == [(1, 3)]
+    # The root is the last accepted token: its suffix 3 matches at 2, followed by 4 5 3.
+    assert entries(d.step(DraftTree(3), np.array([0]), 1)) == [(0, 4), (1, 5), (2, 3)]
+    d.start([7, 8], None)  # a new request forgets the old context
+    assert d.index.tokens == [7, 8] and d.index.matches([3], 10) == []
+
+
+def test_scores_past_the_prompt_are_zero_like_the_engine_flow():
+    prompt = [1, 2, 3, 1, 2]
+    prefill = prefill_of([{2: -0.1}, {3: -0.2}, {1: -0.3}, {2: -0.4}, {3: -0.5}])
+    d = drafter(prompt, prefill)
+    d.accept([], [3])  # the prefill's first token, as Decoder does
+    d.accept([0, 1], [4, 1])
+    assert d.index.tokens == [1, 2, 3, 1, 2, 3, 4, 1]
+    prop = d.step(DraftTree(1), np.array([0]), 1)
+    # "1" was last followed by 2 at position 4; the chain 3 4 1 sits at positions 5 (= prompt length,
+    # still cached), 6 and 7 (beyond the prompt: 0).
+    assert entries(prop) == [(0, 2), (1, 3), (2, 4), (3, 1)]
+    assert prop.scores.tolist() == pytest.approx([-0.4, -0.9, -0.9, -0.9])

