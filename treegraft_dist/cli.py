@@ -1,13 +1,16 @@
-"""`treegraft` command line: generate, prepare-models."""
+"""`treegraft` command line: generate, eval, prepare-models."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from .benchmarks import BENCHMARKS, builtin
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
+from .evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
 from .models import ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
 from .prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, resolve_model_path
 from .sampling import SamplingParams
@@ -97,6 +100,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    budget = args.budget if args.budget == "auto" else _int_arg("--budget", args.budget)
+    cfg = EvalConfig(benchmarks=[b for b in args.benchmarks.split(",") if b], benchmark_files=args.benchmark_file,
+                     methods=[m for m in args.methods.split(",") if m], prompts_per_benchmark=args.prompts_per_benchmark,
+                     max_new_tokens=args.max_new_tokens, out=Path(args.out), multi_turn=args.multi_turn, budget=budget,
+                     cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+    for b in cfg.benchmarks:
+        builtin(b)  # unknown names fail before any model is loaded
+    target, middle = load_pair(args, need_middle=True)
+    summary = Evaluation(target, middle, cfg).run()
+    print(summary.table())
+    print(f"\nresults: {cfg.out / 'results.parquet'}\nsummary: {cfg.out / 'summary.md'}\nchart: {cfg.out / 'speedup.png'}")
+    if summary.mismatches:
+        print(f"treegraft: error: {len(summary.mismatches)} outputs differ from ar: "
+              + ", ".join(f"{m} on {b}/{q}" for m, b, q in summary.mismatches[:10]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _int_arg(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name} must be an integer or 'auto', got {value!r}") from None
+
+
 def cmd_prepare(args) -> int:
     target, middle = prepare_default_models(args.cache_dir, progress=True)
     print(f"target: {target}\nmiddle: {middle}")
@@ -121,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="methods x benchmark prompts, speedups, lossless check")
+    _add_model_args(e)
+    e.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated (default: %(default)s); '' for none")
+    e.add_argument("--benchmark-file", action="append", default=[], help="extra JSONL file (question_id, category, turns); repeatable")
+    e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s) or 5-bit patterns")
+    e.add_argument("--prompts-per-benchmark", type=int, default=2)
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--budget", default="auto", help="nodes verified per round, or 'auto' to fit the device (default)")
+    e.add_argument("--multi-turn", action="store_true", help="all turns (later turns carry the reference answers)")
+    e.add_argument("--out", default="out/eval")
+    e.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
     p.add_argument("--cache-dir", default=None)

@@ -6,13 +6,12 @@ drives in-process components here and remote ones in a coordinator.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .budget import forward_ms
 from .config import TreeConfig
 from .hf import CausalLM
 from .neural import NeuralDrafter
@@ -21,8 +20,8 @@ from .sampling import SamplingParams
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
 from .stats import PhaseTimer, RequestStats
-from .tree import ORIGIN_NGRAM, DraftTree, Proposal
-from .verify import TargetVerifier, tree_attention
+from .tree import DraftTree, Proposal
+from .verify import TargetVerifier
 
 AR_METHOD = "ar"
 
@@ -69,12 +68,16 @@ class Decoder:
     """One target (and optionally one middle drafter) decoding requests one at a time."""
 
     def __init__(self, target: CausalLM, middle: CausalLM | None = None, tree: TreeConfig = TreeConfig(),
-                 sampling: SamplingParams = SamplingParams(), timings: Timings | None = None):
+                 sampling: SamplingParams = SamplingParams(), timings: Timings | None = None,
+                 probe_budgets: tuple[int, ...] = ()):
+        """`probe_budgets`: also record, per round, the accepted length had the tree been pruned to each
+        of these budgets instead (greedy only; for choosing a budget)."""
         self.target = target
         self.middle = middle
         self.cfg = tree
         self.sampling = sampling
         self._timings = timings
+        self.probe_budgets = probe_budgets
 
     # -- public API -----------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
@@ -101,8 +104,8 @@ class Decoder:
     def timings(self) -> Timings:
         """Warm target and middle forward times (ms) over one full-budget tree; measured once."""
         if self._timings is None:
-            self._timings = Timings(_forward_ms(self.target, self.cfg.budget),
-                                    _forward_ms(self.middle, self.cfg.budget) if self.middle else 1.0)
+            self._timings = Timings(forward_ms(self.target, self.cfg.budget),
+                                    forward_ms(self.middle, self.cfg.budget) if self.middle else 1.0)
         return self._timings
 
     # -- methods --------------------------------------------------------------------------------------
@@ -154,6 +157,10 @@ class Decoder:
                 stats.accepted.append(len(verdict.tokens))
                 stats.tree_sizes.append(pruned.size)
                 stats.middle_calls.append(sum(calls))
+                for b in self.probe_budgets:
+                    # The target's greedy continuation is known as far as this round accepted it.
+                    hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
+                    stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
         out = _truncate(out, max_new, eos)
         stats.rounds = len(stats.accepted)
         stats.new_tokens = len(out)
@@ -168,24 +175,3 @@ def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
         if t in eos:
             return tokens[: i + 1]
     return tokens
-
-
-def _forward_ms(lm: CausalLM, block: int, past: int = 128, repeats: int = 5) -> float:
-    """Median time of one forward over a `block`-node chain-shaped tree on a `past`-token cache."""
-    tree = DraftTree(0)
-    n = block - 1
-    if n:
-        chain = np.concatenate([[0], 1 + np.arange(n - 1)]).astype(np.int64)
-        tree.graft(Proposal(1, chain, np.arange(1, n + 1) % lm.vocab_size, np.zeros(n), ORIGIN_NGRAM), 1)
-    attend, positions = tree_attention(tree, past)
-    ids = torch.from_numpy(tree.token_list().copy())
-    times = []
-    for _ in range(repeats + 1):
-        cache = lm.new_cache()
-        lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
-        t = time.perf_counter()
-        lm.hidden(cache, ids, positions, attend)
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[1:])

@@ -13,7 +13,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from .signals import MAX_LAYERS, SIGNAL_NAMES
+
 NAMED_SCHEDULES = {"all-small": "0", "all-mid": "1"}
+_CALLED = slice(SIGNAL_NAMES.index("called_0"), SIGNAL_NAMES.index("called_0") + MAX_LAYERS)
+_FRONTIER_DEPTH = SIGNAL_NAMES.index("frontier_depth")
 
 
 class SchedulePolicy(Protocol):
@@ -44,6 +48,22 @@ class CallablePolicy:
 
     def decide(self, signals, layer: int) -> bool:
         return bool(self.fn(signals, layer))
+
+
+@dataclass(frozen=True)
+class ShallowTreeHeuristic:
+    """The `treegraft` method until a learned scheduler is available: take an n-gram step first, then
+    call the middle drafter once, at the first layer where the n-gram tree is still shallow (mean
+    frontier depth below `min_depth`: the context offered no long match to follow)."""
+
+    min_depth: float = 2.0
+    name: str = "treegraft"
+    needs_signals: bool = True
+
+    def decide(self, signals, layer: int) -> bool:
+        if layer == 0 or signals[_CALLED].any():
+            return False
+        return bool(signals[_FRONTIER_DEPTH] < self.min_depth)
 
 
 def fixed_schedule(method: str, depth: int) -> FixedSchedule:

@@ -24,6 +24,7 @@ class RequestStats:
     middle_calls: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     wall_s: float = 0.0
+    accepted_at_budget: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:

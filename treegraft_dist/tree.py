@@ -141,6 +141,16 @@ class DraftTree:
             node = int(self.parents[node])
         return out[::-1]
 
+    def follow(self, tokens) -> list[int]:
+        """Node ids of the longest root path whose tokens (after the root) are a prefix of `tokens`."""
+        path, node = [], 0
+        for t in tokens:
+            node = self._child.get((node, int(t)))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def children_count(self, origin: int | None = None) -> np.ndarray:
         """[size] number of children of each node (only those of `origin` when given)."""
         par = self.parents[1 : self.size]

@@ -1,0 +1,119 @@
+"""`treegraft eval` on tiny models: rows, lossless checks, summary, chart, auto budget, bad input."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
+from treegraft_dist.benchmarks import BenchmarkError, builtin, load_questions
+from treegraft_dist.cli import main
+from treegraft_dist.evaluate import EvalConfig, Evaluation
+from treegraft_dist.hf import CausalLM
+from treegraft_dist.models import LoadedModel
+
+METHODS = ["ar", "all-small", "all-mid", "treegraft", "01001", "hf-pld", "hf-assisted"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = char_tokenizer()
+    model = tiny_model("qwen3", init=0.4)
+    target = LoadedModel(CausalLM(model), tok, "tiny-target")
+    middle = LoadedModel(CausalLM(perturbed_copy(model, 0.2, 1)), tok, "tiny-middle")
+    return target, middle
+
+
+@pytest.fixture(scope="module")
+def bench_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "mine.jsonl"
+    rows = [{"question_id": i, "category": "x", "turns": [q, "and again?"]}
+            for i, q in enumerate(["abab abab abab", "the cat sat on the mat, the cat", "hello there"])]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_eval_writes_rows_summary_and_chart(pair, bench_file, tmp_path):
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["humaneval"], benchmark_files=[bench_file], methods=METHODS[1:],
+                     prompts_per_benchmark=2, max_new_tokens=16, out=tmp_path / "out", budget="auto",
+                     cache_dir=tmp_path / "cache", multi_turn=True)
+    summary = Evaluation(target, middle, cfg).run()
+    assert summary.mismatches == []
+    t = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    # humaneval has one turn, our file two: 2 + 2 * 2 prompts, each under every method (ar added first).
+    assert len(t) == 6 * len(METHODS)
+    assert {r["method"] for r in t} == set(METHODS)
+    for col in ("method", "benchmark", "prompt_id", "new_tokens", "wall_s", "rounds", "mean_accepted",
+                "middle_calls", "lossless"):
+        assert col in t[0]
+    assert all(r["lossless"] for r in t if not r["method"].startswith("hf-"))
+    assert all(r["new_tokens"] == 16 for r in t)
+    assert all(1 <= r["budget"] <= 128 for r in t if r["method"] not in ("ar", "hf-pld", "hf-assisted"))
+    assert (tmp_path / "out" / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert "| all-mid |" in table and "mean speedup" in table
+    means = [r for r in summary.rows if r["benchmark"] == "(mean)"]
+    assert {r["method"] for r in means} == set(cfg.methods)
+    assert all(r["speedup"] > 0 for r in means)
+    ar = next(r for r in means if r["method"] == "ar")
+    assert ar["speedup"] == pytest.approx(1.0)
+    # The latency profile is cached per (model, device).
+    assert list((tmp_path / "cache" / "profiles").glob("tiny-target-*.json"))
+
+
+def test_a_wrong_method_is_reported_and_fails(pair, tmp_path):
+    target, middle = pair
+    impostor = LoadedModel(CausalLM(perturbed_copy(target.lm.model, 0.5, 7)), target.tokenizer, "impostor")
+
+    class Broken(Evaluation):
+        def runner(self, method, budget, probes=()):
+            if method != "all-small":
+                return super().runner(method, budget, probes)
+            wrong = Evaluation(impostor, middle, self.cfg)
+            return wrong.runner(method, budget, probes)
+
+    cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "all-small", "all-mid"], prompts_per_benchmark=1,
+                     max_new_tokens=12, out=tmp_path / "o", budget=32)
+    summary = Broken(target, middle, cfg).run()
+    assert [m for m, _, _ in summary.mismatches] == ["all-small"]
+    rows = pq.read_table(tmp_path / "o" / "results.parquet").to_pylist()
+    assert [r["lossless"] for r in rows if r["method"] == "all-small"] == [False]
+
+
+def test_eval_cli_end_to_end(tmp_path, bench_file, capsys):
+    tok = char_tokenizer()
+    model = tiny_model("llama", init=0.4)
+    t = save_tiny(tmp_path / "t", model, tok)
+    m = save_tiny(tmp_path / "m", perturbed_copy(model, 0.2, 2), tok)
+    code = main(["eval", "--target", t, "--middle", m, "--benchmarks", "", "--benchmark-file", bench_file,
+                 "--methods", "ar,all-small,10000", "--prompts-per-benchmark", "2", "--max-new-tokens", "12",
+                 "--budget", "24", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| 10000 |" in out and "speedup.png" in out
+    assert len(pq.read_table(tmp_path / "out" / "results.parquet")) == 2 * 3
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--benchmarks", "nope"], "unknown benchmark"),
+    (["--methods", "ar,fast"], "unknown method"),
+    (["--budget", "0"], "budget"),
+    (["--budget", "lots"], "budget"),
+    (["--prompts-per-benchmark", "0"], "prompts-per-benchmark"),
+])
+def test_eval_bad_input(argv, needle, capsys):
+    code = main(["eval", "--target", "/no/model"] + argv)
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_benchmarks_ship_with_the_package_and_validate(tmp_path):
+    for name in ("mt_bench", "gsm8k", "humaneval", "alpaca", "qa", "sum"):
+        qs = builtin(name)
+        assert len(qs) >= 79 and all(q.turns for q in qs)
+    assert len(builtin("mt_bench")[0].turns) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": "not a list"}\n')
+    with pytest.raises(BenchmarkError, match="bad.jsonl:1"):
+        load_questions(bad)

@@ -1,0 +1,88 @@
+"""Hardware-aware tree budget: how many nodes to verify per round on this device.
+
+A bigger tree is accepted deeper but costs more to verify; where that trade lands depends on the device
+(on a GPU a 64-node pass costs about what a 1-token pass does; on a CPU it costs several times more).
+`--budget auto` measures target verification latency against tree size once per (model, device),
+caches it, then observes acceptance at every candidate budget during a warm-up decode at the largest
+one (the accepted length of a smaller, pruned tree follows from the target's greedy continuation
+without another target pass) and picks the budget with the most expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .hf import CausalLM
+from .tree import ORIGIN_NGRAM, DraftTree, Proposal
+from .verify import tree_attention
+
+CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
+
+
+def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3) -> float:
+    """Median time of one forward over a `block`-node tree (a chain) on a `past`-token cache."""
+    tree = DraftTree(0)
+    n = block - 1
+    if n:
+        chain = np.concatenate([[0], 1 + np.arange(n - 1)]).astype(np.int64)
+        tree.graft(Proposal(1, chain, np.arange(1, n + 1) % lm.vocab_size, np.zeros(n), ORIGIN_NGRAM), 1)
+    attend, positions = tree_attention(tree, past)
+    ids = torch.from_numpy(tree.token_list().copy())
+    times = []
+    for _ in range(repeats + 1):
+        cache = lm.new_cache()
+        lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
+        t = time.perf_counter()
+        lm.logits(lm.hidden(cache, ids, positions, attend))
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return f"cpu-{platform.machine()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+
+
+def model_key(lm: CausalLM, source: str) -> str:
+    params = sum(p.numel() for p in lm.model.parameters())
+    name = Path(source.rstrip("/")).name or "model"
+    return f"{name}-{params}-{str(lm.dtype).removeprefix('torch.')}"
+
+
+def latency_profile(lm: CausalLM, source: str, cache_dir: Path, sizes=CANDIDATES) -> dict[int, float]:
+    """Verification ms per tree size, measured once per (model, device) and cached as JSON."""
+    path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}.json"
+    if path.is_file():
+        cached = {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
+        if set(sizes) <= set(cached):
+            return {b: cached[b] for b in sizes}
+    profile = {b: forward_ms(lm, b) for b in sizes}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"model": source, "device": device_name(lm.device), "past": PROFILE_PAST,
+                   "verify_ms": {str(k): v for k, v in profile.items()}}, f, indent=1)
+    os.replace(tmp, path)
+    return profile
+
+
+def choose_budget(verify_ms: dict[int, float], accepted_at: dict[int, list[int]], draft_ms: float) -> int:
+    """The budget with the most expected tokens per round-second: mean accepted length at that budget
+    over (drafting time per round + verification time at that budget)."""
+    rate = {b: float(np.mean(accepted_at[b])) / (draft_ms + verify_ms[b]) for b in accepted_at if accepted_at[b]}
+    if not rate:
+        raise ValueError("no acceptance observed: run a warm-up decode with budget probes first")
+    return max(rate, key=lambda b: (rate[b], -b))

@@ -1,0 +1,317 @@
+"""Evaluation: methods x prompts on one model pair, every output checked against plain decoding.
+
+Rows go to DIR/results.parquet (rewritten atomically after every prompt, so an interrupted run keeps
+what it finished); the summary to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
+Speedup of a method on a benchmark = total `ar` wall time / total method wall time over the same prompts,
+prefill included. Methods run interleaved per prompt, so machine noise hits them alike; one warm-up
+request per method (not timed) comes first.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questions
+from .budget import CANDIDATES, choose_budget, latency_profile
+from .config import TreeConfig
+from .engine import AR_METHOD, Decoder, Generation
+from .models import LoadedModel
+from .peers import PEER_METHODS, run_peer
+from .prepare import cache_root
+from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
+
+TREEGRAFT = "treegraft"
+OUR_FIXED = tuple(NAMED_SCHEDULES)
+DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
+WARMUP_TOKENS = 48
+
+
+@dataclass
+class EvalConfig:
+    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))
+    benchmark_files: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    prompts_per_benchmark: int = 2
+    max_new_tokens: int = 64
+    out: Path = Path("out/eval")
+    multi_turn: bool = False
+    budget: int | str = 64  # or "auto"
+    cache_dir: Path | None = None
+
+    def __post_init__(self):
+        if self.prompts_per_benchmark < 1:
+            raise ValueError(f"--prompts-per-benchmark must be at least 1, got {self.prompts_per_benchmark}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"--budget must be 'auto' or an integer >= 1, got {self.budget!r}")
+        if AR_METHOD not in self.methods:
+            self.methods = [AR_METHOD] + list(self.methods)  # the reference every output is checked against
+        for m in self.methods:
+            if not is_method(m):
+                raise ValueError(f"unknown method {m!r}: use {', '.join(DEFAULT_METHODS)} or a 5-bit pattern such "
+                                 "as 01001")
+
+
+def is_method(m: str) -> bool:
+    return m in DEFAULT_METHODS or bool(re.fullmatch(r"[01]+", m))
+
+
+def is_ours(m: str) -> bool:
+    """Methods whose outputs must equal `ar` (a mismatch fails the run); peers are only reported."""
+    return m not in PEER_METHODS
+
+
+@dataclass
+class Prompt:
+    benchmark: str
+    prompt_id: str
+    turn: int
+    ids: list[int]
+
+
+def select_questions(cfg: EvalConfig) -> list[Question]:
+    out = []
+    for name in cfg.benchmarks:
+        out += builtin(name)[: cfg.prompts_per_benchmark]
+    for path in cfg.benchmark_files:
+        out += load_questions(path)[: cfg.prompts_per_benchmark]
+    return out
+
+
+class Evaluation:
+    """One run: decoders per method (with their budgets), the loop, the outputs."""
+
+    def __init__(self, target: LoadedModel, middle: LoadedModel | None, cfg: EvalConfig, log=print):
+        self.target, self.middle, self.cfg, self.log = target, middle, cfg, log
+        need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "all-small", "hf-pld")]
+        if middle is None and need_middle:
+            raise ValueError(f"methods {', '.join(need_middle)} need a middle drafter; drop them or give --middle")
+        self.eos = target.eos_ids
+        self.budgets: dict[str, int] = {}
+        self.rows: list[dict] = []
+
+    # -- methods --------------------------------------------------------------------------------------
+    def _decoder(self, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
+        return Decoder(self.target.lm, self.middle.lm if self.middle else None, TreeConfig(budget=budget),
+                       probe_budgets=probes)
+
+    def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
+        if method in PEER_METHODS:
+            mid = self.middle.lm if self.middle else None
+            return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
+        decoder = self._decoder(budget, probes)
+        policy = ShallowTreeHeuristic() if method == TREEGRAFT else method
+        return lambda ids, n: decoder.generate(ids, n, policy, self.eos)
+
+    def warm_up(self, prompt: list[int]) -> dict[str, Callable]:
+        """One untimed request per method; with --budget auto it also picks each method's budget."""
+        runners = {}
+        auto = self.cfg.budget == "auto"
+        profile = None
+        if auto:
+            profile = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
+            self.log("verification latency by tree size (ms): "
+                     + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
+        for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
+            speculative = method not in PEER_METHODS and method != AR_METHOD
+            if auto and speculative:
+                gen = self.runner(method, max(CANDIDATES), CANDIDATES)(prompt, WARMUP_TOKENS)
+                s = gen.stats
+                draft_ms = 1e3 * sum(s.seconds[k] for k in ("ngram", "middle", "scheduler", "other")) / max(s.rounds, 1)
+                self.budgets[method] = choose_budget(profile, s.accepted_at_budget, draft_ms)
+            else:
+                self.budgets[method] = self.cfg.budget if not auto else max(CANDIDATES)
+                self.runner(method, self.budgets[method])(prompt, 16)
+            runners[method] = self.runner(method, self.budgets[method])
+        if auto:
+            self.log("chosen budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
+                                                    if m not in PEER_METHODS and m != AR_METHOD))
+        return runners
+
+    # -- the run --------------------------------------------------------------------------------------
+    def prompts(self, questions: list[Question], answer: Callable[[list[int]], list[int]]) -> list[Prompt]:
+        """First turns (all turns with --multi-turn: later turns carry the reference answers so far)."""
+        out = []
+        for q in questions:
+            turns = q.turns if self.cfg.multi_turn else q.turns[:1]
+            answers: list[str] = []
+            for k in range(len(turns)):
+                ids = chat_prompt(self.target.tokenizer, list(turns[: k + 1]), answers)
+                out.append(Prompt(q.benchmark, q.question_id, k + 1, ids))
+                if k + 1 < len(turns):
+                    answers.append(self.target.tokenizer.decode(answer(ids), skip_special_tokens=True))
+        return out
+
+    def run(self) -> "Summary":
+        cfg = self.cfg
+        questions = select_questions(cfg)
+        warm_q = builtin(cfg.benchmarks[0])[-1] if cfg.benchmarks else questions[-1]
+        runners = self.warm_up(chat_prompt(self.target.tokenizer, [warm_q.turns[0]], []))
+        ar = runners[AR_METHOD]
+        prompts = self.prompts(questions, lambda ids: ar(ids, cfg.max_new_tokens).tokens)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(total=len(prompts) * len(cfg.methods), desc="eval", unit="run", file=sys.stderr)
+        mismatches = []
+        for i, p in enumerate(prompts):
+            results = {}
+            order = cfg.methods[i % len(cfg.methods):] + cfg.methods[: i % len(cfg.methods)]
+            for method in order:
+                bar.set_postfix_str(f"{p.benchmark}/{p.prompt_id} {method}")
+                results[method] = runners[method](p.ids, cfg.max_new_tokens)
+                bar.update()
+            reference = results[AR_METHOD].tokens
+            for method in cfg.methods:
+                gen = results[method]
+                lossless = gen.tokens == reference
+                if not lossless and is_ours(method):
+                    mismatches.append((method, p.benchmark, p.prompt_id))
+                    tqdm.write(f"MISMATCH: {method} differs from ar on {p.benchmark}/{p.prompt_id} "
+                               f"(turn {p.turn})", file=sys.stderr)
+                self.rows.append(_row(method, p, gen, lossless, self.budgets.get(method)))
+            write_parquet_atomic(pa.Table.from_pylist(self.rows), cfg.out / "results.parquet")
+        bar.close()
+        summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
+        summary.write(cfg.out)
+        return dataclasses.replace(summary, mismatches=mismatches)
+
+
+def _row(method: str, p: Prompt, gen: Generation, lossless: bool, budget: int | None) -> dict:
+    s = gen.stats
+    return {
+        "method": method, "benchmark": p.benchmark, "prompt_id": p.prompt_id, "turn": p.turn,
+        "prompt_tokens": len(p.ids), "new_tokens": s.new_tokens, "wall_s": s.wall_s,
+        "rounds": s.rounds, "mean_accepted": s.mean_accepted if s.rounds else float("nan"),
+        "middle_calls": sum(s.middle_calls), "middle_calls_per_round": s.middle_calls_per_round,
+        "mean_tree_size": sum(s.tree_sizes) / len(s.tree_sizes) if s.tree_sizes else float("nan"),
+        "tokens_per_s": s.tokens_per_s, "lossless": lossless, "budget": budget,
+        **{f"{k}_s": v for k, v in s.seconds.items()},
+    }
+
+
+def write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".parquet.tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@dataclass
+class Summary:
+    """Per (benchmark, method) and per method over all benchmarks."""
+
+    rows: list[dict]
+    methods: list[str]
+    benchmarks: list[str]
+    mismatches: list = field(default_factory=list)
+
+    def table(self) -> str:
+        head = "| method | " + " | ".join(self.benchmarks) + " | mean speedup | accepted/round | tok/s | mid calls/round | lossless |"
+        sep = "|" + "---|" * (len(self.benchmarks) + 6)
+        lines = [head, sep]
+        for m in self.methods:
+            per = {r["benchmark"]: r for r in self.rows if r["method"] == m}
+            mean = per["(mean)"]
+            cells = [f"{per[b]['speedup']:.2f}x" for b in self.benchmarks]
+            acc = "-" if mean["mean_accepted"] != mean["mean_accepted"] else f"{mean['mean_accepted']:.2f}"
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {mean['speedup']:.2f}x | {acc} | "
+                         f"{mean['tokens_per_s']:.2f} | {mean['middle_calls_per_round']:.2f} | "
+                         f"{mean['lossless_prompts']} |")
+        return "\n".join(lines)
+
+    def write(self, out: Path) -> None:
+        _write_text_atomic(out / "summary.md", self.table() + "\n")
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(self.rows[0]))
+        w.writeheader()
+        w.writerows(self.rows)
+        _write_text_atomic(out / "summary.csv", buf.getvalue())
+        plot_speedups(self, out / "speedup.png")
+
+
+def summarize(t: pa.Table, methods: list[str]) -> Summary:
+    rows = []
+    benches = sorted(set(t.column("benchmark").to_pylist()), key=lambda b: list(BENCHMARKS).index(b)
+                     if b in BENCHMARKS else len(BENCHMARKS))
+    ar_wall = {b: pc.sum(t.filter((pc.field("method") == AR_METHOD) & (pc.field("benchmark") == b))
+                         .column("wall_s")).as_py() for b in benches}
+    for m in methods:
+        per_bench = []
+        for b in benches:
+            sub = t.filter((pc.field("method") == m) & (pc.field("benchmark") == b)).to_pylist()
+            wall = sum(r["wall_s"] for r in sub)
+            tokens = sum(r["new_tokens"] for r in sub)
+            rounds = sum(r["rounds"] for r in sub)
+            accepted = sum(r["mean_accepted"] * r["rounds"] for r in sub if r["rounds"])
+            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": ar_wall[b] / wall,
+                   "mean_accepted": accepted / rounds if rounds else float("nan"),
+                   "tokens_per_s": tokens / wall, "middle_calls_per_round":
+                       sum(r["middle_calls"] for r in sub) / rounds if rounds else 0.0,
+                   "lossless_prompts": f"{sum(r['lossless'] for r in sub)}/{len(sub)}"}
+            per_bench.append(row)
+            rows.append(row)
+        n_lossless = sum(int(r["lossless_prompts"].split("/")[0]) for r in per_bench)
+        n_prompts = sum(r["prompts"] for r in per_bench)
+        rows.append({"method": m, "benchmark": "(mean)", "prompts": n_prompts,
+                     "speedup": sum(r["speedup"] for r in per_bench) / len(per_bench),
+                     "mean_accepted": _nanmean([r["mean_accepted"] for r in per_bench]),
+                     "tokens_per_s": sum(r["tokens_per_s"] for r in per_bench) / len(per_bench),
+                     "middle_calls_per_round": sum(r["middle_calls_per_round"] for r in per_bench) / len(per_bench),
+                     "lossless_prompts": f"{n_lossless}/{n_prompts}"})
+    return Summary(rows, methods, benches)
+
+
+def _nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def plot_speedups(summary: Summary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = summary.benchmarks + ["(mean)"]
+    methods = [m for m in summary.methods if m != AR_METHOD]
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(groups)), 4.2))
+    for j, m in enumerate(methods):
+        vals = [next(r["speedup"] for r in summary.rows if r["method"] == m and r["benchmark"] == g) for g in groups]
+        ax.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))], vals, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("speedup over ar (wall time)")
+    ax.set_title("Speedup by benchmark")
+    ax.legend(fontsize=8, ncols=min(len(methods), 4))
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
