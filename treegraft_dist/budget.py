@@ -14,14 +14,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from .hf import CausalLM
+from .hf import CausalLM, compact_cache
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention
 
@@ -29,8 +31,9 @@ CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
 
 
-def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3) -> float:
-    """Median time of one forward over a `block`-node tree (a chain) on a `past`-token cache."""
+def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None) -> float:
+    """Median time of one forward over a `block`-node tree (a chain) on a `past`-token cache; `cache`, when
+    given, already holds those `past` tokens and is restored after each timed pass."""
     tree = DraftTree(0)
     n = block - 1
     if n:
@@ -38,15 +41,17 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
         tree.graft(Proposal(1, chain, np.arange(1, n + 1) % lm.vocab_size, np.zeros(n), ORIGIN_NGRAM), 1)
     attend, positions = tree_attention(tree, past)
     ids = torch.from_numpy(tree.token_list().copy())
-    times = []
-    for _ in range(repeats + 1):
+    if cache is None:
         cache = lm.new_cache()
         lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
+    times = []
+    for _ in range(repeats + 1):
         t = time.perf_counter()
         lm.logits(lm.hidden(cache, ids, positions, attend))
         if lm.device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
+        compact_cache(cache, past, torch.zeros(0, dtype=torch.int64))
     return statistics.median(times[1:])
 
 
@@ -69,7 +74,10 @@ def latency_profile(lm: CausalLM, source: str, cache_dir: Path, sizes=CANDIDATES
         cached = {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
         if set(sizes) <= set(cached):
             return {b: cached[b] for b in sizes}
-    profile = {b: forward_ms(lm, b) for b in sizes}
+    cache = lm.new_cache()
+    lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
+    profile = {b: forward_ms(lm, b, repeats=2, cache=cache)
+               for b in tqdm(sizes, desc="profiling verification latency", unit="size", file=sys.stderr)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

@@ -48,20 +48,17 @@ class NeuralDrafter:
         self.topk_logprobs = np.zeros((0, self.top_k), np.float64)
         self._hidden = None
 
-    @property
-    def tokens_processed(self) -> int:
-        """Cache length; with the tree size it gives the tokens a call will process."""
-        return cache_len(self.cache)
-
-    def pending(self, tree: DraftTree) -> int:
-        """Tokens the next call would process: missing context plus unprocessed nodes."""
-        seen = int((self.slot[: tree.size] != NO_SLOT).sum())
-        return (len(self.context) - 1 - self.committed) + tree.size - seen
-
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
-        self._process(tree)
+        n = tree.size
+        self._grow(n)
+        unseen = self.slot[:n] == NO_SLOT
+        # Rescoring needs the logits at every parent; expanding needs them at the selected nodes. A leaf
+        # that is not selected is never run, so a call costs about the internal nodes plus K tokens, not
+        # the whole tree (an n-gram layer can add hundreds of leaves).
+        self._process(tree, np.flatnonzero(unseen & (tree.children_count() > 0)))
         scores = self._rescore(tree)
         selected = tree.reselect(frontier, self.lookback, self.top_k, ORIGIN_MIDDLE, scores)
+        self._process(tree, np.sort(selected[self.slot[selected] == NO_SLOT]))
         rows = self.row_of[selected]
         parents = np.repeat(selected, self.top_k)
         tokens = self.topk_tokens[rows].reshape(-1)
@@ -82,20 +79,23 @@ class NeuralDrafter:
         self.context.extend(tokens)
         self._new_round()
 
-    def _process(self, tree: DraftTree) -> None:
-        root_pos = len(self.context) - 1
-        n = tree.size
+    def _grow(self, n: int) -> None:
         if len(self.slot) < n:
             self.slot = np.concatenate([self.slot, np.full(n - len(self.slot), NO_SLOT, np.int64)])
             self.row_of = np.concatenate([self.row_of, np.full(n - len(self.row_of), NO_SLOT, np.int64)])
-        unseen = np.flatnonzero(self.slot[:n] == NO_SLOT)
+
+    def _process(self, tree: DraftTree, unseen: np.ndarray) -> None:
+        """Run the model over `unseen` nodes (ascending ids, ancestors already processed or included),
+        after any context tokens the cache still lacks."""
+        if len(unseen) == 0:
+            return
+        root_pos = len(self.context) - 1
+        n = tree.size
         catch_up = self.context[self.committed : root_pos]
         past = cache_len(self.cache)
         if catch_up and past != self.committed:
             raise RuntimeError("middle drafter cache holds tree slots while it lags the context")
         m = len(catch_up) + len(unseen)
-        if len(unseen) == 0:
-            return
 
         # Cache column of every node once this call has appended its inputs.
         col = self.slot[:n].copy()
@@ -108,6 +108,8 @@ class NeuralDrafter:
         attend[c:, past : past + c] = True
         anc = tree.ancestor_mask()[unseen]  # [unseen, n]
         r, a = np.nonzero(anc)
+        if (col[a] == NO_SLOT).any():
+            raise RuntimeError("middle drafter asked to run a node before its ancestors")
         attend[c + r, col[a]] = True
 
         ids = torch.tensor(catch_up + tree.tokens[unseen].tolist(), dtype=torch.int64)
@@ -136,6 +138,8 @@ class NeuralDrafter:
     def _rescore(self, tree: DraftTree) -> np.ndarray:
         """[tree size] cumulative drafter log-probs along every path (root = 0)."""
         n = tree.size
+        if n == 1:
+            return np.zeros(1, np.float64)
         if self._hidden is None:
             self._hidden = torch.cat(self.hidden_rows)
         parent_rows = torch.from_numpy(self.row_of[tree.parents[1:n]])
