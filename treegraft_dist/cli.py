@@ -11,7 +11,8 @@ from .benchmarks import BENCHMARKS, builtin
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
 from .evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
-from .models import ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
+from .models import (LoadedModel, ModelError, check_pair, check_tokenizers, describe_model, load_model,
+                     load_tokenizer, pick_device)
 from .prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, resolve_model_path
 from .sampling import SamplingParams
 from .schedule import fixed_schedule
@@ -31,6 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
 
 
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true", help="run on Ray actors (target group, drafters, coordinator)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target with --distributed")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+
+
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     d = TreeConfig()
     p.add_argument("--depth", type=int, default=d.depth, help="drafting layers per round D (default %(default)s)")
@@ -45,21 +52,46 @@ def tree_config(args) -> TreeConfig:
     return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=args.budget)
 
 
-def load_pair(args, need_middle: bool):
-    """(target, middle or None) with the pair checked; embedded names are prepared on demand."""
+def resolve_pair(args, need_middle: bool) -> tuple[str, object, str | None, object]:
+    """(target source, tokenizer, middle source or None, tokenizer): embedded names prepared on demand,
+    tokenizers compared before any weights are loaded."""
     t_src = resolve_model_path(args.target, args.cache_dir)
     t_tok = load_tokenizer(t_src)
-    m_src = None
-    if need_middle and args.middle.lower() != "none":
-        m_src = resolve_model_path(args.middle, args.cache_dir)
-        m_tok = load_tokenizer(m_src)
-        check_tokenizers(t_tok, m_tok, args.target, args.middle)  # before any weights are loaded
+    if not need_middle or args.middle.lower() == "none":
+        return t_src, t_tok, None, None
+    m_src = resolve_model_path(args.middle, args.cache_dir)
+    m_tok = load_tokenizer(m_src)
+    check_tokenizers(t_tok, m_tok, args.target, args.middle)
+    return t_src, t_tok, m_src, m_tok
+
+
+def load_pair(args, need_middle: bool):
+    """(target, middle or None) as LoadedModels; with --distributed only tokenizers and configs are
+    loaded here (the weights load in the actors)."""
+    t_src, t_tok, m_src, m_tok = resolve_pair(args, need_middle)
+    if getattr(args, "distributed", False):
+        return describe_model(t_src, t_tok), (describe_model(m_src, m_tok) if m_src else None)
     target = load_model(t_src, args.device, args.dtype, t_tok)
     if m_src is None:
         return target, None
     middle = load_model(m_src, args.device, args.dtype, m_tok)
     check_pair(target, middle)
     return target, middle
+
+
+def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cfg: TreeConfig,
+                       sampling: SamplingParams):
+    """A DistributedEngine on a local Ray cluster (or --address); on CPU the actors share the cores and
+    ask for no GPUs."""
+    from actors import DistributedEngine, Resources
+
+    if pick_device(args.device).type == "cuda":
+        res = Resources(tp=args.tp, device="cuda")
+    else:
+        res = Resources(tp=args.tp, device="cpu", target_gpus=0, middle_gpus=0, target_cpus=0.25, middle_cpus=0.25,
+                        ngram_cpus=0.1, coordinator_cpus=0.1)
+    return DistributedEngine(target.source, middle.source if middle else None, cfg, res, args.address, sampling,
+                             args.dtype)
 
 
 def cmd_generate(args) -> int:
@@ -86,8 +118,12 @@ def cmd_generate(args) -> int:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
                          f"target's context ({target.max_positions} positions, {cfg.max_tree_depth + 1} kept for the "
                          "draft tree): shorten the prompt or ask for fewer tokens")
-    decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling)
-    gen = decoder.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
+    if args.distributed:
+        with distributed_engine(args, target, middle, cfg, sampling) as engine:
+            gen = engine.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
+    else:
+        decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling)
+        gen = decoder.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"token_ids": gen.tokens, "text": text, "stats": gen.stats.to_dict()}))
@@ -109,7 +145,13 @@ def cmd_eval(args) -> int:
     for b in cfg.benchmarks:
         builtin(b)  # unknown names fail before any model is loaded
     target, middle = load_pair(args, need_middle=True)
-    summary = Evaluation(target, middle, cfg).run()
+    if args.distributed:
+        if cfg.budget == "auto":
+            raise UsageError("--budget auto profiles the target in this process: give a number with --distributed")
+        with distributed_engine(args, target, middle, TreeConfig(budget=cfg.budget), SamplingParams()) as engine:
+            summary = Evaluation(target, middle, cfg, engine=engine).run()
+    else:
+        summary = Evaluation(target, middle, cfg).run()
     print(summary.table())
     print(f"\nresults: {cfg.out / 'results.parquet'}\nsummary: {cfg.out / 'summary.md'}\nchart: {cfg.out / 'speedup.png'}")
     if summary.mismatches:
@@ -139,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode one prompt")
     _add_model_args(g)
     _add_tree_args(g)
+    _add_distributed_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     g.add_argument("--method", default="all-small",
@@ -153,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="methods x benchmark prompts, speedups, lossless check")
     _add_model_args(e)
+    _add_distributed_args(e)
     e.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated (default: %(default)s); '' for none")
     e.add_argument("--benchmark-file", action="append", default=[], help="extra JSONL file (question_id, category, turns); repeatable")
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s) or 5-bit patterns")
@@ -169,11 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distributed_errors() -> tuple[type, ...]:
+    """Placement and target-group failures print as one line too, once the Ray side is loaded."""
+    mod = sys.modules.get("actors")
+    return (mod.PlacementError, mod.TargetGroupError) if mod else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ModelError, PrepareError, ValueError) as e:
+    except (UsageError, ModelError, PrepareError, ValueError, *_distributed_errors()) as e:
         print(f"treegraft: error: {e}", file=sys.stderr)
         return 2
 

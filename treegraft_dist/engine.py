@@ -81,10 +81,7 @@ class Decoder:
 
     # -- public API -----------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
-        policy = fixed_schedule(method, self.cfg.depth) if isinstance(method, str) else as_policy(method)
-        if self.middle is None and "1" in getattr(policy, "pattern", "1"):
-            raise ValueError(f"method {policy.name!r} calls the middle drafter, but none is loaded: pass a middle model")
-        return policy
+        return resolve_policy(method, self.cfg.depth, self.middle is not None)
 
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
                  seed: int = 0) -> Generation:
@@ -161,14 +158,27 @@ class Decoder:
                     # The target's greedy continuation is known as far as this round accepted it.
                     hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
                     stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
-        out = _truncate(out, max_new, eos)
+        out = truncate(out, max_new, eos)
         stats.rounds = len(stats.accepted)
         stats.new_tokens = len(out)
         timer.finish()
         return Generation(out, stats)
 
 
-def _truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+def resolve_policy(method, depth: int, has_middle: bool) -> SchedulePolicy:
+    """A schedule name or pattern, a policy, or a callable, checked against the drafters loaded."""
+    policy = fixed_schedule(method, depth) if isinstance(method, str) else as_policy(method)
+    if not has_middle and may_call_middle(policy):
+        raise ValueError(f"method {policy.name!r} calls the middle drafter, but none is loaded: pass a middle model")
+    return policy
+
+
+def may_call_middle(policy: SchedulePolicy) -> bool:
+    """False only for a fixed schedule without a middle layer: then the middle drafter can stay idle."""
+    return "1" in getattr(policy, "pattern", "1")
+
+
+def truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     """Cut at max_new tokens and after the first end-of-sequence token, as plain decoding stops."""
     tokens = tokens[:max_new]
     for i, t in enumerate(tokens):

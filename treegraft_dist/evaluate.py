@@ -96,11 +96,16 @@ def select_questions(cfg: EvalConfig) -> list[Question]:
 class Evaluation:
     """One run: decoders per method (with their budgets), the loop, the outputs."""
 
-    def __init__(self, target: LoadedModel, middle: LoadedModel | None, cfg: EvalConfig, log=print):
-        self.target, self.middle, self.cfg, self.log = target, middle, cfg, log
+    def __init__(self, target: LoadedModel, middle: LoadedModel | None, cfg: EvalConfig, log=print, engine=None):
+        """`engine`: a DistributedEngine (anything with Decoder.generate's signature) that runs our methods
+        instead of in-process decoders; its tree settings are fixed, so the budget must be a number."""
+        self.target, self.middle, self.cfg, self.log, self.engine = target, middle, cfg, log, engine
         need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "all-small", "hf-pld")]
         if middle is None and need_middle:
             raise ValueError(f"methods {', '.join(need_middle)} need a middle drafter; drop them or give --middle")
+        if engine is not None and (cfg.budget == "auto" or set(cfg.methods) & set(PEER_METHODS)):
+            raise ValueError("a distributed evaluation needs a numeric --budget and runs our methods only: "
+                             f"drop {', '.join(PEER_METHODS)} from --methods")
         self.eos = target.eos_ids
         self.budgets: dict[str, int] = {}
         self.rows: list[dict] = []
@@ -114,7 +119,7 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        decoder = self._decoder(budget, probes)
+        decoder = self.engine if self.engine is not None else self._decoder(budget, probes)
         policy = ShallowTreeHeuristic() if method == TREEGRAFT else method
         return lambda ids, n: decoder.generate(ids, n, policy, self.eos)
 

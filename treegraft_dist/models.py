@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .hf import CausalLM
 
@@ -20,22 +20,46 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedModel:
-    lm: CausalLM
+    """A model's tokenizer and configs, and its weights (`lm`) unless they live elsewhere (in actors)."""
+
+    lm: CausalLM | None
     tokenizer: PreTrainedTokenizerBase
     source: str
+    config: object = None
+    generation_config: object = None
+
+    def __post_init__(self):
+        if self.lm is not None:
+            self.config = self.config or self.lm.model.config
+            self.generation_config = self.generation_config or self.lm.model.generation_config
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.lm.model.config, "max_position_embeddings", 1 << 30))
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     @property
     def eos_ids(self) -> set[int]:
         ids = set()
-        for src in (self.lm.model.generation_config, self.lm.model.config, self.tokenizer):
+        for src in (self.generation_config, self.config, self.tokenizer):
             eos = getattr(src, "eos_token_id", None)
             if eos is not None:
                 ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
         return ids
+
+
+def describe_model(source: str, tokenizer: PreTrainedTokenizerBase | None = None) -> LoadedModel:
+    """Tokenizer and configs only: for a driver whose weights load in remote actors."""
+    path = _resolve_folder(source)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(source)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise _load_error(source, e) from e
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None  # a model without generation_config.json: eos comes from its config and tokenizer
+    return LoadedModel(None, tok, source, config, gen)
 
 
 def pick_device(device: str) -> torch.device:

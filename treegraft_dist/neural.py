@@ -65,6 +65,13 @@ class NeuralDrafter:
         child_scores = (scores[selected][:, None] + self.topk_logprobs[rows]).reshape(-1)
         return Proposal(tree.size, parents, tokens, child_scores, ORIGIN_MIDDLE, rescore=scores)
 
+    def prefetch(self, root: int) -> None:
+        """Process the context this drafter lags behind, plus the next round's root, now (a coordinator
+        does it while the round's first n-gram steps run elsewhere); the next step only runs new nodes."""
+        self._grow(1)
+        if self.slot[0] == NO_SLOT:
+            self._process(DraftTree(root), np.zeros(1, np.int64))
+
     def accept(self, path: list[int], tokens: list[int]) -> None:
         """End of a round: `path` = accepted node ids (root first) of this round's tree, `tokens` = what
         the context grows by. Keeps the cache slots of the accepted path as far as it was processed."""

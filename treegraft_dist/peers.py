@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from .engine import Generation, _truncate
+from .engine import Generation, truncate
 from .hf import CausalLM
 from .stats import PhaseTimer, RequestStats
 
@@ -58,7 +58,7 @@ def run_peer(method: str, target: CausalLM, middle: CausalLM | None, prompt: lis
         with _recording(target.model, assistant, rounds), torch.inference_mode():
             out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                         assistant_model=assistant, streamer=rounds)
-        tokens = _truncate(out[0, len(prompt):].tolist(), max_new_tokens, eos_ids)
+        tokens = truncate(out[0, len(prompt):].tolist(), max_new_tokens, eos_ids)
         rounds.tree_sizes[0] -= len(prompt) - 1  # the first forward also ran the prompt
         stats.rounds = len(rounds.tree_sizes)
         stats.accepted, stats.tree_sizes, stats.middle_calls = rounds.accepted, rounds.tree_sizes, rounds.middle_calls

@@ -1,0 +1,106 @@
+"""The driver-side API of the distributed engine: what `treegraft generate --distributed` calls."""
+
+from __future__ import annotations
+
+import ray
+from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Generation
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.signals import Timings
+
+from .coordinator import Coordinator
+from .resources import COORDINATOR_BUNDLE, Resources, reserve
+
+
+class DistributedEngine:
+    """TreeGraft over Ray actors, with the output of the single-process `Decoder`.
+
+    `target`, `middle`: saved model folders (or hub ids) every node can read; `middle=None` drafts with
+    n-gram only. `address`: a running Ray cluster ("auto", "ray://host:10001", ...); None joins the
+    cluster this process already belongs to, or starts a local one. Construction raises PlacementError
+    (within `resources.placement_timeout_s`) when the cluster lacks the resources.
+    """
+
+    def __init__(self, target: str, middle: str | None = None, tree: TreeConfig = TreeConfig(),
+                 resources: Resources = Resources(), address: str | None = None,
+                 sampling: SamplingParams = SamplingParams(), dtype: str = "auto", timings: Timings | None = None):
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address)
+        self.resources = resources
+        self.coordinator = self.pg = None
+        self.pg = reserve(resources.control_bundles(with_middle=middle is not None), "PACK",
+                          "coordinator and drafters", resources.placement_timeout_s)
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=COORDINATOR_BUNDLE)
+        # Threads: one per request in flight, plus room for progress() and actors() while all are busy.
+        self.coordinator = ray.remote(Coordinator).options(
+            num_cpus=resources.coordinator_cpus, max_concurrency=resources.max_requests + 2, max_restarts=0,
+            scheduling_strategy=strategy,
+        ).remote(target, middle, tree, sampling, resources, dtype, self.pg, timings)
+        try:
+            _get(self.coordinator.start.remote())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
+               seed: int = 0) -> ray.ObjectRef:
+        """Start one request; `result(ref)` waits for its Generation."""
+        return self.coordinator.generate.remote(list(prompt_ids), max_new_tokens, method, tuple(eos_ids), seed)
+
+    @staticmethod
+    def result(ref: ray.ObjectRef) -> Generation:
+        return _get(ref)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
+                 seed: int = 0) -> Generation:
+        """Same arguments and result as `treegraft_dist.engine.Decoder.generate`."""
+        return self.result(self.submit(prompt_ids, max_new_tokens, method, eos_ids, seed))
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, method="all-small", eos_ids=(),
+                      seed: int = 0) -> list[Generation]:
+        """All requests in flight at once (up to resources.max_requests); results in prompt order."""
+        refs = [self.submit(p, max_new_tokens, method, eos_ids, seed) for p in prompts]
+        return [self.result(r) for r in refs]
+
+    def progress(self) -> dict[int, int]:
+        """Tokens generated so far by each request in flight."""
+        return ray.get(self.coordinator.progress.remote())
+
+    def actors(self) -> dict:
+        """Handles of the actors: {"ngram": ..., "middle": ..., "target": [rank 0, ...]}."""
+        return ray.get(self.coordinator.actors.remote())
+
+    def shutdown(self) -> None:
+        if self.coordinator is not None:
+            try:
+                ray.get(self.coordinator.shutdown.remote(), timeout=60)
+            except RayError:  # a dead coordinator took its actors with it
+                pass
+            ray.kill(self.coordinator, no_restart=True)
+            self.coordinator = None
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "DistributedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _get(ref):
+    """ray.get, raising the coordinator's own exception (ValueError, PlacementError, TargetGroupError)
+    rather than Ray's wrapper around it."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        if e.cause is not None:
+            raise e.cause from None
+        raise

@@ -1,0 +1,224 @@
+"""The target model as a worker group: one actor per GPU (tensor-parallel rank) in a STRICT_PACK
+placement group, torch.distributed inside each, the model sharded by transformers' own tensor
+parallelism (`DistributedConfig(tp_size=...)`; `tp_plan="auto"` on releases without it).
+
+Every rank runs the same forward on the same inputs: the group sends one request's prompt or pruned
+tree to all ranks, and rank 0's result is returned (the others' are checked to agree). Each rank keeps
+its shard of every request's KV cache; only token ids and trees cross the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from treegraft_dist.budget import forward_ms
+from treegraft_dist.hf import CausalLM
+from treegraft_dist.models import load_model, pick_dtype
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.tree import DraftTree
+from treegraft_dist.verify import TargetVerifier, Verdict
+
+from .resources import Resources, reserve
+
+
+class TargetGroupError(RuntimeError):
+    """A target worker died or failed mid-request; the request is lost, the group is being rebuilt."""
+
+
+def load_sharded(path: str, tp: int, device: str, dtype: str) -> CausalLM:
+    """Load `path` sharded over the `tp` ranks of the initialised default process group."""
+    if tp == 1:
+        return load_model(path, device, dtype).lm
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": pick_dtype(dtype, torch.device(device))}
+    try:
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_size=tp)
+    except ImportError:  # transformers before DistributedConfig: the model's own plan, same sharding
+        kwargs["tp_plan"] = "auto"
+    return CausalLM(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+
+
+class TargetWorker:
+    """Actor: one tensor-parallel rank; holds one TargetVerifier (KV cache shard) per request id."""
+
+    def __init__(self, path: str, rank: int, resources: Resources, sampling: SamplingParams, dtype: str):
+        if resources.torch_threads:
+            torch.set_num_threads(resources.torch_threads)
+        self.path, self.rank, self.res, self.sampling, self.dtype = path, rank, resources, sampling, dtype
+        self.lm: CausalLM | None = None
+        self.requests: dict[int, TargetVerifier] = {}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, free port) of this node for the process group; asked of rank 0."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def load(self, master: tuple[str, int]) -> None:
+        tp = self.res.tp
+        if tp > 1:
+            # Ray gives each rank exactly its own GPU, which is then device 0 of the process.
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(tp), LOCAL_RANK="0")
+            torch.distributed.init_process_group(self.res.backend, rank=self.rank, world_size=tp,
+                                                 timeout=timedelta(seconds=self.res.dist_timeout_s))
+        self.lm = load_sharded(self.path, tp, self.res.device, self.dtype)
+
+    def prefill(self, rid: int, prompt: list[int], seed: int, want_prefill_cache: bool):
+        generator = torch.Generator(device=self.lm.device).manual_seed(seed)
+        v = self.requests[rid] = TargetVerifier(self.lm, self.sampling, generator)
+        first, cache = v.prefill(prompt, want_prefill_cache)
+        return first, cache if self.rank == 0 else None
+
+    def verify(self, rid: int, tree: DraftTree) -> Verdict:
+        return self.requests[rid].verify(tree)
+
+    def step(self, rid: int, token: int) -> int:
+        return self.requests[rid].step(token)
+
+    def release(self, rid: int) -> None:
+        self.requests.pop(rid, None)
+
+    def forward_ms(self, block: int) -> float:
+        return forward_ms(self.lm, block)
+
+
+class TargetGroup:
+    """Client side of the worker group (lives in the coordinator): builds it, broadcasts each call to
+    every rank, and on a worker failure kills the group, fails the calls in flight and rebuilds it.
+
+    Calls to all ranks are submitted under one lock, so every rank sees the same order of calls (their
+    collectives must match) even when several requests run at once.
+    """
+
+    def __init__(self, path: str, resources: Resources, sampling: SamplingParams, dtype: str):
+        self.path, self.res, self.sampling, self.dtype = path, resources, sampling, dtype
+        self.generation = 0  # bumped by every rebuild: a request's KV cache lives in one generation
+        self.workers: list = []
+        self.pg = None
+        self._submit = threading.Lock()
+        self._build = threading.Lock()
+        self._ready = threading.Event()
+        self._error: Exception | None = None
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Reserve the GPUs (PlacementError if the cluster cannot), start the ranks, load the shards."""
+        with self._build:
+            if self.workers:  # another request rebuilt it meanwhile
+                return
+            self.pg = reserve(self.res.target_bundles(), "STRICT_PACK", f"target group (tp={self.res.tp})",
+                              self.res.placement_timeout_s)
+            worker = ray.remote(TargetWorker)
+            self.workers = [
+                worker.options(
+                    num_cpus=self.res.target_cpus, num_gpus=self.res.target_gpus, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                ).remote(self.path, r, self.res, self.sampling, self.dtype)
+                for r in range(self.res.tp)
+            ]
+            try:
+                master = ray.get(self.workers[0].rendezvous.remote(), timeout=self.res.dist_timeout_s)
+                ray.get([w.load.remote(master) for w in self.workers], timeout=self.res.dist_timeout_s)
+            except Exception:
+                self._teardown()
+                raise
+            self._error = None
+            self._ready.set()
+
+    def shutdown(self) -> None:
+        with self._build:
+            self._ready.clear()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+
+    def _rebuild(self, generation: int) -> None:
+        """Replace a broken group, once per broken generation (the first failing call does it)."""
+        with self._submit:
+            if generation != self.generation:
+                return
+            self.generation += 1
+            self._ready.clear()
+        with self._build:
+            self._teardown()
+        try:
+            self.build()
+        except Exception as e:  # the next request reports it
+            self._error = e
+            self._ready.set()
+
+    def wait_ready(self) -> int:
+        """Block until the group is usable (retrying a rebuild that failed); returns its generation."""
+        self._ready.wait()
+        if self._error is not None:
+            try:
+                self.build()
+            except Exception as e:
+                raise TargetGroupError(f"the target group cannot be rebuilt: {e}") from e
+        return self.generation
+
+    # -- calls ----------------------------------------------------------------------------------------
+    def call(self, generation: int, method: str, *args, check: bool = True):
+        """Run `method(*args)` on every rank; rank 0's result (with `check`, every rank's must agree).
+        Raises TargetGroupError when a rank fails, or when the group was rebuilt since `generation`
+        (the request's KV cache is gone)."""
+        with self._submit:
+            if generation != self.generation or not self._ready.is_set():
+                raise TargetGroupError("the target group was rebuilt after a worker failure while this request "
+                                       "was in flight; its KV cache is lost: submit the request again")
+            refs = [getattr(w, method).remote(*args) for w in self.workers]
+        try:
+            results = _gather(refs, self.res.dist_timeout_s)
+        except RayError as e:
+            threading.Thread(target=self._rebuild, args=(generation,), daemon=True).start()
+            cause = "died" if isinstance(e, RayActorError) else "failed"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise TargetGroupError(f"a target worker {cause} during {method} ({type(e).__name__}: {first}); the "
+                                   f"request is lost and the target group (tp={self.res.tp}) is being rebuilt: "
+                                   "submit it again") from e
+        if check and any(_agreed(r) != _agreed(results[0]) for r in results[1:]):
+            raise TargetGroupError(f"target ranks disagree on {method}: {results}; their shards are out of step")
+        return results[0]
+
+    def release(self, generation: int, rid: int) -> None:
+        with self._submit:
+            if generation == self.generation:
+                for w in self.workers:
+                    w.release.remote(rid)
+
+
+def _gather(refs: list, timeout_s: float) -> list:
+    """Results of `refs` in order; raises as soon as any of them fails, since a rank blocked in a
+    collective with a dead peer may otherwise never return."""
+    done = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            raise GetTimeoutError(f"{len(pending)} target ranks gave no answer within {timeout_s:g} s")
+        done[ready[0]] = ray.get(ready[0])
+    return [done[r] for r in refs]
+
+
+def _agreed(result):
+    """The part of a rank's answer every rank must share (prefill: the first token; rank 0 alone
+    returns the prefill cache)."""
+    return result[0] if isinstance(result, tuple) else result

@@ -1,0 +1,105 @@
+"""Distributed path vs the single-process engine on the same models, on this machine's CPU.
+
+  .venv/bin/python jobs/bench_distributed.py [--tokens 64] [--prompts 4] [--tp 1 2]
+
+Per schedule and TP size: time per round (wall time / target verifications) of the single-process
+`Decoder` and of `actors.DistributedEngine`, and the difference, the per-round overhead of the actors
+(Ray calls, pickling trees, the all-reduces of TP over gloo). Then throughput (generated tokens per
+second, all requests together) with 1, 4 and 8 requests in flight. Models: the tiny LLaMA pair of the
+tests (tests/tiny.py), saved to a temporary folder; a local Ray cluster with fake GPUs for placement.
+Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny import VOCAB, char_tokenizer, perturbed_copy, save_tiny, tiny_model  # noqa: E402
+
+from actors.engine import DistributedEngine  # noqa: E402
+from actors.resources import Resources  # noqa: E402
+from treegraft_dist.engine import Decoder  # noqa: E402
+from treegraft_dist.hf import CausalLM  # noqa: E402
+
+SCHEDULES = ("all-small", "01001", "all-mid")
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    half = [[rng.randrange(VOCAB) for _ in range(32)] for _ in range(n - n // 2)]
+    return half + [[rng.randrange(VOCAB) for _ in range(8)] * 4 for _ in range(n // 2)]
+
+
+def per_round_ms(run, prompts, tokens, method) -> tuple[float, int]:
+    run(prompts[0], tokens, method)  # warm-up
+    t, rounds = time.perf_counter(), 0
+    for p in prompts:
+        rounds += run(p, tokens, method).stats.rounds
+    return (time.perf_counter() - t) * 1e3 / rounds, rounds
+
+
+def throughput(engine, prompts, tokens, method, inflight) -> float:
+    batch = (prompts * inflight)[:inflight]
+    engine.generate_many(batch, tokens, method)  # warm-up at this concurrency
+    t = time.perf_counter()
+    n = sum(len(g.tokens) for g in engine.generate_many(batch, tokens, method))
+    return n / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, num_gpus=8, object_store_memory=200 * 1024**2, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    model = tiny_model("llama")
+    middle = perturbed_copy(model, 0.3, 1)
+    decoder = Decoder(CausalLM(model), CausalLM(middle))
+    prompts = make_prompts(args.prompts)
+    single = {m: per_round_ms(decoder.generate, prompts, args.tokens, m) for m in SCHEDULES}
+    rows, tput = [], []
+    with tempfile.TemporaryDirectory() as d:
+        tok = char_tokenizer()
+        paths = save_tiny(Path(d) / "t", model, tok), save_tiny(Path(d) / "m", middle, tok)
+        for tp in args.tp:
+            res = Resources(tp=tp, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1,
+                            coordinator_cpus=0.1, torch_threads=1)
+            with DistributedEngine(*paths, resources=res, dtype="float32") as engine:
+                for m in SCHEDULES:
+                    dist_ms, rounds = per_round_ms(engine.generate, prompts, args.tokens, m)
+                    rows.append((tp, m, rounds, single[m][0], dist_ms))
+                for c in (1, 4, 8):
+                    tput.append((tp, c, throughput(engine, prompts, args.tokens, "01001", c)))
+    t = time.perf_counter()
+    n = sum(len(decoder.generate(p, args.tokens, "01001").tokens) for p in (prompts * 8)[:8])
+    single_tput = n / (time.perf_counter() - t)
+
+    print(f"\nPer round ({args.prompts} prompts x {args.tokens} new tokens, tiny LLaMA pair, fp32, "
+          f"{torch.get_num_threads()} torch thread per process)\n")
+    print("| TP | schedule | rounds | single-process ms/round | distributed ms/round | overhead ms/round |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for tp, m, rounds, s, dist in rows:
+        print(f"| {tp} | {m} | {rounds} | {s:.1f} | {dist:.1f} | {dist - s:+.1f} |")
+    print(f"\nThroughput, schedule 01001, {args.tokens} new tokens per request "
+          f"(single-process engine, one request at a time: {single_tput:.0f} tokens/s)\n")
+    print("| TP | requests in flight | tokens/s (all requests) |")
+    print("|---:|---:|---:|")
+    for tp, c, v in tput:
+        print(f"| {tp} | {c} | {v:.0f} |")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
