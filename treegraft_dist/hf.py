@@ -43,8 +43,8 @@ class CausalLM:
     ) -> torch.Tensor:  # [n, hidden]
         """Run the decoder over `input_ids`, appending their keys and values to `cache`.
 
-        The mask is always explicit, causal included: without one, transformers picks SDPA's grouped-query
-        path, which is orders of magnitude slower on CPU for small blocks.
+        The mask is always explicit, the causal one included, so that every pass (prefill, plain decoding,
+        tree verification) takes the same attention path.
         """
         n = len(input_ids)
         if attend is None:

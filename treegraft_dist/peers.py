@@ -42,7 +42,8 @@ def run_peer(method: str, target: CausalLM, middle: CausalLM | None, prompt: lis
     if method not in PEER_METHODS:
         raise ValueError(f"unknown peer method {method!r}: use one of {', '.join(PEER_METHODS)}")
     if method == "hf-assisted" and middle is None:
-        raise ValueError("hf-assisted drafts with the middle model as transformers' assistant_model: pass a middle model")
+        raise ValueError("hf-assisted drafts with the middle model as transformers' assistant_model: "
+                         "pass a middle model")
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     if max_new_tokens < 0:
