@@ -37,7 +37,7 @@ from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
 TREEGRAFT = "treegraft"
 OUR_FIXED = tuple(NAMED_SCHEDULES)
 DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
-WARMUP_TOKENS = 48
+WARMUP_TOKENS = 32  # the budget-probing warm-up; the others need only a few tokens
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Evaluation:
                 self.budgets[method] = choose_budget(profile, s.accepted_at_budget, draft_ms)
             else:
                 self.budgets[method] = self.cfg.budget if not auto else max(CANDIDATES)
-                self.runner(method, self.budgets[method])(prompt, 16)
+                self.runner(method, self.budgets[method])(prompt, 8)
             runners[method] = self.runner(method, self.budgets[method])
         if auto:
             self.log("chosen budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
