@@ -37,7 +37,8 @@ from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
 TREEGRAFT = "treegraft"
 OUR_FIXED = tuple(NAMED_SCHEDULES)
 DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
-WARMUP_TOKENS = 32  # the budget-probing warm-up; the others need only a few tokens
+WARMUP_TOKENS = 16  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
+PROBE_COST_RATIO = 4.0
 
 
 @dataclass
@@ -123,25 +124,30 @@ class Evaluation:
         policy = ShallowTreeHeuristic() if method == TREEGRAFT else method
         return lambda ids, n: decoder.generate(ids, n, policy, self.eos)
 
-    def warm_up(self, prompt: list[int]) -> dict[str, Callable]:
-        """One untimed request per method; with --budget auto it also picks each method's budget."""
+    def warm_up(self, prompts: list[list[int]]) -> dict[str, Callable]:
+        """Untimed requests per method; with --budget auto they also pick each method's budget from the
+        acceptance observed at every candidate budget over all warm-up prompts."""
         runners = {}
         auto = self.cfg.budget == "auto"
-        profile = None
         if auto:
             profile = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
             self.log("verification latency by tree size (ms): "
                      + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
+            # A tree that costs more than a few small passes would need that many times the acceptance.
+            probes = tuple(b for b in CANDIDATES if profile[b] <= PROBE_COST_RATIO * profile[CANDIDATES[0]])
         for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
-            speculative = method not in PEER_METHODS and method != AR_METHOD
-            if auto and speculative:
-                gen = self.runner(method, max(CANDIDATES), CANDIDATES)(prompt, WARMUP_TOKENS)
-                s = gen.stats
-                draft_ms = 1e3 * sum(s.seconds[k] for k in ("ngram", "middle", "scheduler", "other")) / max(s.rounds, 1)
-                self.budgets[method] = choose_budget(profile, s.accepted_at_budget, draft_ms)
+            if auto and method not in PEER_METHODS and method != AR_METHOD:
+                accepted_at, draft_s, rounds = {}, 0.0, 0
+                for ids in prompts:
+                    s = self.runner(method, max(probes), probes)(ids, WARMUP_TOKENS).stats
+                    for b, acc in s.accepted_at_budget.items():
+                        accepted_at.setdefault(b, []).extend(acc)
+                    draft_s += sum(s.seconds[k] for k in ("ngram", "middle", "scheduler", "other"))
+                    rounds += s.rounds
+                self.budgets[method] = choose_budget(profile, accepted_at, 1e3 * draft_s / max(rounds, 1))
             else:
-                self.budgets[method] = self.cfg.budget if not auto else max(CANDIDATES)
-                self.runner(method, self.budgets[method])(prompt, 8)
+                self.budgets[method] = max(CANDIDATES) if auto else self.cfg.budget
+                self.runner(method, self.budgets[method])(prompts[0], 8)
             runners[method] = self.runner(method, self.budgets[method])
         if auto:
             self.log("chosen budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
@@ -165,8 +171,9 @@ class Evaluation:
     def run(self) -> "Summary":
         cfg = self.cfg
         questions = select_questions(cfg)
-        warm_q = builtin(cfg.benchmarks[0])[-1] if cfg.benchmarks else questions[-1]
-        runners = self.warm_up(chat_prompt(self.target.tokenizer, [warm_q.turns[0]], []))
+        # Warm-up prompts: the last question of each benchmark, outside the evaluated ones.
+        warm = [builtin(b)[-1] for b in cfg.benchmarks] or questions[-1:]
+        runners = self.warm_up([chat_prompt(self.target.tokenizer, [q.turns[0]], []) for q in warm])
         ar = runners[AR_METHOD]
         prompts = self.prompts(questions, lambda ids: ar(ids, cfg.max_new_tokens).tokens)
         cfg.out.mkdir(parents=True, exist_ok=True)
