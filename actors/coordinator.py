@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import AR_METHOD, Generation, draft_tree, resolve_policy, truncate
+from treegraft_dist.engine import AR_METHOD, Generation, check_request, draft_tree, resolve_policy, truncate
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
@@ -99,10 +99,7 @@ class Coordinator:
 
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
                  seed: int = 0) -> Generation:
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_request(prompt, max_new_tokens)
         policy = None if method == AR_METHOD else self.resolve_policy(method)
         rid = next(self._ids)
         gen = self.target.wait_ready()

@@ -86,10 +86,7 @@ class Decoder:
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
                  seed: int = 0) -> Generation:
         """Decode `prompt`; `method` is "ar", a schedule name/pattern, or a policy."""
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_request(prompt, max_new_tokens)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         verifier = TargetVerifier(self.target, self.sampling, generator)
         if method == AR_METHOD:
@@ -163,6 +160,13 @@ class Decoder:
         stats.new_tokens = len(out)
         timer.finish()
         return Generation(out, stats)
+
+
+def check_request(prompt: list[int], max_new_tokens: int) -> None:
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
 def resolve_policy(method, depth: int, has_middle: bool) -> SchedulePolicy:

@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from .engine import Generation, truncate
+from .engine import Generation, check_request, truncate
 from .hf import CausalLM
 from .stats import PhaseTimer, RequestStats
 
@@ -44,10 +44,7 @@ def run_peer(method: str, target: CausalLM, middle: CausalLM | None, prompt: lis
     if method == "hf-assisted" and middle is None:
         raise ValueError("hf-assisted drafts with the middle model as transformers' assistant_model: "
                          "pass a middle model")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_request(prompt, max_new_tokens)
     stats = RequestStats(method, prompt_tokens=len(prompt))
     timer = PhaseTimer(stats)
     tokens: list[int] = []
