@@ -1,0 +1,348 @@
+"""The value system and the exact margins the online scheduler is distilled from (offline only).
+
+Vocabulary (D = MAX_LAYERS = 5 drafting layers per round):
+  schedule        D bits; bit l = 1 iff layer l (0-based) calls the middle drafter. Schedule index
+                  s = 0 .. 31 reads the bits as a binary number, layer 0 the most significant bit, so
+                  s = 0 is all-small and s = 31 is all-mid.
+  prefix state    the tree after the first l bits of a schedule have run, l = 0 .. D. Schedules share
+                  prefixes, so one round has 1 + 2 + 4 + 8 + 16 + 32 = 63 prefix states: the 31
+                  decision states (l < D, where the scheduler chooses bit l) and the 32 terminal states
+                  (l = D, one per complete schedule). States are stored in heap order: the prefix p of
+                  length l is state 2**l - 1 + int(p as binary); the children of state i are 2i + 1
+                  (skip) and 2i + 2 (call); terminal state 31 + s ends schedule s.
+  suffix          the bits after the action at a decision state of layer l: D - l - 1 bits. A value
+                  head sees it as 2D numbers: D bits (0 before and at layer l) and a D-bit mask of the
+                  future positions l + 1 .. D - 1.
+  accepted        accepted length of a round (accepted draft tokens + the bonus token, >= 1).
+  tokens/s        accepted / (latency_ms / 1000): the reward being maximised.
+
+Trajectories (`Rounds`, plain numpy, R rounds): per prefix state its 17 signals, per complete schedule
+the exact accepted length and the latency the cost profile gives it. Margins are only ever defined at
+decision states: margin = Q(call) - Q(skip), Q(a) = the best tokens/s over all suffixes after taking a.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP, subset_mask
+from .signals import MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES
+
+D = MAX_LAYERS
+NUM_SCHEDULES = 2**D  # 32
+NUM_DECISION_STATES = 2**D - 1  # 31
+NUM_STATES = 2 ** (D + 1) - 1  # 63
+SUFFIX_WIDTH = 2 * D  # future bits + future mask
+_STD_FLOOR = 1e-6  # a signal constant over the training states is left unscaled
+
+# [32, 5] int8: bit l of schedule s
+SCHEDULES = np.array(list(itertools.product((0, 1), repeat=D)), np.int8)
+
+
+def state_index(prefix) -> int:
+    """Heap-order index of the prefix state reached by the bits `prefix` (length 0 .. D)."""
+    value = 0
+    for bit in prefix:
+        value = 2 * value + int(bit)
+    return (1 << len(prefix)) - 1 + value
+
+
+def state_prefix(i: int) -> tuple[int, ...]:
+    """The bits that lead to state i (inverse of state_index)."""
+    layer = (i + 1).bit_length() - 1
+    value = i + 1 - (1 << layer)
+    return tuple((value >> (layer - 1 - j)) & 1 for j in range(layer))
+
+
+def _query_table():
+    """Every (decision state, suffix) pair, grouped by state (ascending): the action values of a state
+    are a max over its group. Returns the state of each query [80], the group starts [31], the suffix
+    encoding [80, 2D] and the schedule reached by taking skip / call then the suffix [2, 80]."""
+    states, suffixes, schedules = [], [], []
+    for i in range(NUM_DECISION_STATES):
+        prefix = state_prefix(i)
+        layer = len(prefix)
+        for tail in itertools.product((0, 1), repeat=D - layer - 1):
+            enc = np.zeros(SUFFIX_WIDTH, np.float32)
+            enc[layer + 1 : D] = tail
+            enc[D + layer + 1 :] = 1.0
+            states.append(i)
+            suffixes.append(enc)
+            schedules.append([state_index(prefix + (a,) + tail) - NUM_DECISION_STATES for a in (0, 1)])
+    states = np.array(states, np.int64)
+    starts = np.flatnonzero(np.r_[True, states[1:] != states[:-1]])
+    return states, starts, np.stack(suffixes), np.array(schedules, np.int64).T
+
+
+QUERY_STATE, QUERY_START, QUERY_SUFFIX, QUERY_SCHEDULE = _query_table()
+NUM_QUERIES = len(QUERY_STATE)  # 80 = D * 2**(D-1): each schedule once per layer, split by its bit there
+
+
+@dataclass
+class Rounds:
+    """Trajectories of R decoding rounds (see the module docstring for the state and schedule order)."""
+
+    signals: np.ndarray  # [R, 63, 17] float32, prefix states in heap order
+    accepted: np.ndarray  # [R, 32] float64, accepted length of schedule s (bonus included, >= 1)
+    latency_ms: np.ndarray  # [R, 32] float64, > 0
+    prompt_ids: np.ndarray  # [R] str: the prompt each round came from (the unit of a data split)
+    benchmarks: np.ndarray  # [R] str
+
+    def __post_init__(self):
+        self.signals = np.asarray(self.signals, np.float32)
+        self.accepted = np.asarray(self.accepted, np.float64)
+        self.latency_ms = np.asarray(self.latency_ms, np.float64)
+        self.prompt_ids = np.asarray(self.prompt_ids, str)
+        self.benchmarks = np.asarray(self.benchmarks, str)
+        r = len(self.signals)
+        expected = {"signals": (r, NUM_STATES, NUM_SIGNALS), "accepted": (r, NUM_SCHEDULES),
+                    "latency_ms": (r, NUM_SCHEDULES), "prompt_ids": (r,), "benchmarks": (r,)}
+        for name, shape in expected.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"Rounds.{name} has shape {getattr(self, name).shape}, expected {shape} "
+                                 f"(R rounds x {NUM_STATES} prefix states x {NUM_SIGNALS} signals; "
+                                 f"{NUM_SCHEDULES} schedules)")
+        if not np.isfinite(self.signals).all():
+            raise ValueError("Rounds.signals holds NaN or infinity: drop those rounds before fitting")
+        if not (np.isfinite(self.accepted).all() and (self.accepted >= 1).all()):
+            raise ValueError("Rounds.accepted must be finite and >= 1 (the bonus token always counts)")
+        if not (np.isfinite(self.latency_ms).all() and (self.latency_ms > 0).all()):
+            raise ValueError("Rounds.latency_ms must be finite and > 0")
+
+    def __len__(self) -> int:
+        return len(self.signals)
+
+    def take(self, idx) -> "Rounds":
+        return Rounds(self.signals[idx], self.accepted[idx], self.latency_ms[idx], self.prompt_ids[idx],
+                      self.benchmarks[idx])
+
+    def tokens_per_s(self) -> np.ndarray:  # [R, 32]
+        return self.accepted / (self.latency_ms / 1e3)
+
+    def decision_signals(self) -> np.ndarray:  # [R * 31, 17], round-major
+        return self.signals[:, :NUM_DECISION_STATES].reshape(-1, NUM_SIGNALS)
+
+
+def split_rounds(rounds: Rounds, heldout_fraction: float, seed: int = 0,
+                 exclude_benchmarks=("mt_bench",)) -> tuple[Rounds, Rounds]:
+    """(train, heldout) by prompt, so no prompt has rounds on both sides; rounds of `exclude_benchmarks`
+    are in neither (MT-Bench stays out of the offline stage entirely)."""
+    keep = ~np.isin(rounds.benchmarks, list(exclude_benchmarks))
+    prompts = np.unique(rounds.prompt_ids[keep])
+    rng = np.random.default_rng(seed)
+    held = set(rng.permutation(prompts)[: int(round(heldout_fraction * len(prompts)))].tolist())
+    is_held = np.isin(rounds.prompt_ids, list(held))
+    return rounds.take(np.flatnonzero(keep & ~is_held)), rounds.take(np.flatnonzero(keep & is_held))
+
+
+# -- exact margins ------------------------------------------------------------------------------------
+
+def _margins_from_queries(tps: np.ndarray) -> np.ndarray:
+    """tps: [2, R, 80] tokens/s of (skip, call) then each query's suffix -> [R, 31] margins (R optional)."""
+    q = np.maximum.reduceat(tps, QUERY_START, axis=-1)  # [2, R, 31]
+    return q[1] - q[0]
+
+
+def oracle_margins(accepted: np.ndarray, latency_ms: np.ndarray) -> np.ndarray:
+    """Exact margins of every decision state from the recorded table of the 32 schedules.
+
+    accepted, latency_ms: [R, 32] (or [32]) -> [R, 31] (or [31]), decision states in heap order."""
+    tps = np.asarray(accepted, np.float64) / (np.asarray(latency_ms, np.float64) / 1e3)
+    return _margins_from_queries(np.moveaxis(tps[..., QUERY_SCHEDULE], -2, 0))
+
+
+# -- the value system ---------------------------------------------------------------------------------
+
+HEADS = ("accepted_skip", "accepted_call", "loglat_skip", "loglat_call")
+
+
+def _mlp(inputs: int, hidden: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+
+def _train(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, seed: int, epochs: int, lr: float,
+           batch: int) -> None:
+    """Adam on MSE, mini-batches in a seeded order. x: [n, in] float32, y: [n] standardised targets."""
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x, np.float32)), torch.from_numpy(y.astype(np.float32))
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    order = torch.Generator().manual_seed(seed)
+    net.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(xt), generator=order).split(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(net(xt[idx]).squeeze(-1), yt[idx])
+            loss.backward()
+            opt.step()
+    net.eval()
+
+
+def _zscore(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # x: [n, 17] -> mean [17], std [17]
+    mean = x.mean(0)
+    std = x.std(0)
+    return mean.astype(np.float32), np.where(std < _STD_FLOOR, 1.0, std).astype(np.float32)
+
+
+@dataclass
+class ValueHeads:
+    """Four independent MLPs over (z-scored state signals of the subset, suffix encoding): accepted length
+    and log-latency (log ms) of the whole schedule, each under call and under skip at that state."""
+
+    subset: tuple[str, ...]
+    mean: np.ndarray  # [17]
+    std: np.ndarray  # [17]
+    nets: dict[str, torch.nn.Sequential]  # HEADS -> [n, 17 + 2D] -> [n, 1], standardised output
+    target_norm: dict[str, tuple[float, float]]  # HEADS -> (mean, std) of its training target
+    mask: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.mask = subset_mask(self.subset)
+
+    def _inputs(self, signals: np.ndarray, suffix: np.ndarray) -> torch.Tensor:
+        z = (np.asarray(signals, np.float32) - self.mean) / self.std * self.mask
+        return torch.from_numpy(np.concatenate([z, suffix], axis=-1).astype(np.float32))
+
+    @torch.no_grad()
+    def predict(self, signals: np.ndarray, suffix: np.ndarray) -> dict[str, np.ndarray]:
+        """signals: [n, 17], suffix: [n, 2D] -> HEADS -> [n] in target units (tokens, log ms)."""
+        x = self._inputs(signals, suffix)
+        out = {}
+        for h in HEADS:
+            mu, sd = self.target_norm[h]
+            out[h] = self.nets[h](x).squeeze(-1).double().numpy() * sd + mu
+        return out
+
+    def margins(self, signals: np.ndarray) -> np.ndarray:
+        """Exact margins under the heads: every suffix enumerated at every decision state.
+
+        signals: [R, 63, 17] (or [R, 31, 17]) -> [R, 31]."""
+        r = len(signals)
+        x = np.asarray(signals, np.float32)[:, QUERY_STATE].reshape(-1, NUM_SIGNALS)  # [R * 80, 17]
+        p = self.predict(x, np.tile(QUERY_SUFFIX, (r, 1)))
+        tps = np.stack([p[f"accepted_{a}"] / (np.exp(p[f"loglat_{a}"]) / 1e3) for a in ("skip", "call")])
+        return _margins_from_queries(tps.reshape(2, r, NUM_QUERIES))
+
+    def heldout_error(self, rounds: Rounds) -> dict[str, float]:
+        """Per head, MSE over its examples divided by the variance of its target there (0 = perfect,
+        1 = no better than predicting the mean); "mean" averages the four."""
+        err = {}
+        for h, (x, s, y) in _examples(rounds).items():
+            mse = float(np.mean((self.predict(x, s)[h] - y) ** 2))
+            err[h] = mse / max(float(np.var(y)), 1e-12)
+        err["mean"] = float(np.mean([err[h] for h in HEADS]))
+        return err
+
+
+def _examples(rounds: Rounds) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """HEADS -> (state signals [R * 80, 17], suffix [R * 80, 2D], target [R * 80])."""
+    r = len(rounds)
+    x = rounds.signals[:, QUERY_STATE].reshape(-1, NUM_SIGNALS)
+    s = np.tile(QUERY_SUFFIX, (r, 1))
+    out = {}
+    for a, action in enumerate(("skip", "call")):
+        sched = QUERY_SCHEDULE[a]
+        out[f"accepted_{action}"] = (x, s, rounds.accepted[:, sched].reshape(-1))
+        out[f"loglat_{action}"] = (x, s, np.log(rounds.latency_ms[:, sched]).reshape(-1))
+    return out
+
+
+def fit_value_heads(rounds: Rounds, subset=SIGNAL_NAMES, seed: int = 0, hidden: int = 64, epochs: int = 40,
+                    lr: float = 3e-3, batch: int = 256) -> ValueHeads:
+    """Fit the four heads (Adam, MSE on standardised targets); the same seed gives the same heads."""
+    mean, std = _zscore(rounds.signals[:, :NUM_DECISION_STATES].reshape(-1, NUM_SIGNALS))
+    heads = ValueHeads(tuple(subset), mean, std, {}, {})
+    for k, (h, (x, s, y)) in enumerate(_examples(rounds).items()):
+        mu, sd = float(y.mean()), max(float(y.std()), _STD_FLOOR)
+        heads.target_norm[h] = (mu, sd)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + k)
+            net = _mlp(NUM_SIGNALS + SUFFIX_WIDTH, hidden)
+        _train(net, heads._inputs(x, s).numpy(), (y - mu) / sd, seed + k, epochs, lr, batch)
+        heads.nets[h] = net
+    return heads
+
+
+# -- which signals ------------------------------------------------------------------------------------
+
+_CONTEXT = SIGNAL_NAMES[:4]
+_PREFIX = SIGNAL_NAMES[4:11]
+_TREE = SIGNAL_NAMES[11:]
+CANDIDATE_SUBSETS = {
+    "all": tuple(SIGNAL_NAMES),
+    "context+prefix": tuple(_CONTEXT + _PREFIX),
+    "tree+prefix": tuple(_PREFIX + _TREE),
+    # Hardware-free: raw milliseconds differ per device; their ratio transfers better.
+    "ratio-only": tuple(n for n in SIGNAL_NAMES if n not in ("t_tgt_ms", "t_mid_ms")),
+}
+
+
+@dataclass
+class SubsetChoice:
+    name: str
+    subset: tuple[str, ...]
+    heads: ValueHeads  # fitted on the train split with that subset
+    errors: dict[str, dict[str, float]]  # candidate name -> ValueHeads.heldout_error
+
+
+def choose_subset(train: Rounds, heldout: Rounds, candidates: dict[str, tuple[str, ...]] = CANDIDATE_SUBSETS,
+                  seed: int = 0, **fit) -> SubsetChoice:
+    """Fit value heads per candidate subset on `train`; keep the lowest mean held-out error (ties: the
+    earlier candidate)."""
+    if not len(train) or not len(heldout):
+        raise ValueError(f"choose_subset needs rounds on both sides: train has {len(train)}, "
+                         f"heldout {len(heldout)}")
+    fitted, errors = {}, {}
+    for name, subset in candidates.items():
+        fitted[name] = fit_value_heads(train, subset, seed=seed, **fit)
+        errors[name] = fitted[name].heldout_error(heldout)
+    best = min(candidates, key=lambda n: errors[n]["mean"])
+    return SubsetChoice(best, tuple(candidates[best]), fitted[best], errors)
+
+
+# -- distillation -------------------------------------------------------------------------------------
+
+def fit_scheduler(states_signals: np.ndarray, margins: np.ndarray, subset=SIGNAL_NAMES, seed: int = 0,
+                  epochs: int = 60, lr: float = 3e-3, batch: int = 256) -> SchedulerMLP:
+    """Regress the margin from the state alone (no suffix). states_signals: [n, 17], margins: [n].
+
+    Margins are fitted in units of their standard deviation, then the last layer is scaled back, so the
+    model outputs margins in tokens/s (the sign, which is all the scheduler uses, is unaffected)."""
+    x = np.asarray(states_signals, np.float32)
+    y = np.asarray(margins, np.float64)
+    if x.ndim != 2 or x.shape[1] != NUM_SIGNALS or y.shape != (len(x),):
+        raise ValueError(f"fit_scheduler needs states [n, {NUM_SIGNALS}] and margins [n], got {x.shape} "
+                         f"and {y.shape}")
+    scale = max(float(np.sqrt(np.mean(y**2))), _STD_FLOOR)
+    mean, std = _zscore(x)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SchedulerMLP(subset, mean, std)
+    z = ((x - mean) / std * model.mask.numpy()).astype(np.float32)
+    _train(model.net, z, y / scale, seed, epochs, lr, batch)
+    with torch.no_grad():
+        model.net[4].weight.mul_(scale)
+        model.net[4].bias.mul_(scale)
+    return model.eval()
+
+
+def distil_scheduler(train: Rounds, heldout: Rounds, info: SchedulerInfo, seed: int = 0,
+                     candidates: dict[str, tuple[str, ...]] = CANDIDATE_SUBSETS, value_fit: dict | None = None,
+                     scheduler_fit: dict | None = None) -> tuple[LearnedScheduler, SubsetChoice]:
+    """The whole offline stage on collected rounds: choose the subset by the value heads' held-out error,
+    take exact margins under the chosen heads at every training decision state, distil them into the
+    online MLP. `info.fit` gains the subset errors and the held-out agreement of the scheduler's
+    decisions with the oracle's (sign of the margins from the recorded table)."""
+    choice = choose_subset(train, heldout, candidates, seed, **(value_fit or {}))
+    margins = choice.heads.margins(train.signals).reshape(-1)
+    model = fit_scheduler(train.decision_signals(), margins, choice.subset, seed, **(scheduler_fit or {}))
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(heldout.decision_signals())).numpy()
+    oracle = oracle_margins(heldout.accepted, heldout.latency_ms).reshape(-1)
+    fit = {**info.fit, "seed": seed, "subset": choice.name, "subset_errors": choice.errors,
+           "heldout_sign_agreement": float(np.mean((predicted > 0) == (oracle > 0)))}
+    info = SchedulerInfo(info.pair, info.cost_profile, info.split, fit)
+    return LearnedScheduler(model, info), choice
