@@ -37,7 +37,8 @@ from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
 TREEGRAFT = "treegraft"
 OUR_FIXED = tuple(NAMED_SCHEDULES)
 DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
-WARMUP_TOKENS = 16  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
+WARMUP_PROMPTS = 3
+WARMUP_TOKENS = 12  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
 PROBE_COST_RATIO = 4.0
 
 
@@ -171,8 +172,8 @@ class Evaluation:
     def run(self) -> "Summary":
         cfg = self.cfg
         questions = select_questions(cfg)
-        # Warm-up prompts: the last question of each benchmark, outside the evaluated ones.
-        warm = [builtin(b)[-1] for b in cfg.benchmarks] or questions[-1:]
+        # Warm-up prompts: the last question of up to WARMUP_PROMPTS benchmarks, outside the evaluated ones.
+        warm = [builtin(b)[-1] for b in cfg.benchmarks[:WARMUP_PROMPTS]] or questions[-1:]
         runners = self.warm_up([chat_prompt(self.target.tokenizer, [q.turns[0]], []) for q in warm])
         ar = runners[AR_METHOD]
         prompts = self.prompts(questions, lambda ids: ar(ids, cfg.max_new_tokens).tokens)
