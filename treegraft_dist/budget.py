@@ -27,7 +27,7 @@ from .hf import CausalLM, compact_cache
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention
 
-CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
 
 
