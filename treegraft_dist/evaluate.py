@@ -195,7 +195,8 @@ class Evaluation:
                     mismatches.append((method, p.benchmark, p.prompt_id))
                     tqdm.write(f"MISMATCH: {method} differs from ar on {p.benchmark}/{p.prompt_id} "
                                f"(turn {p.turn})", file=sys.stderr)
-                self.rows.append(_row(method, p, gen, lossless, self.budgets.get(method)))
+                budget = None if method in PEER_METHODS or method == AR_METHOD else self.budgets[method]
+                self.rows.append(_row(method, p, gen, lossless, budget))
             write_parquet_atomic(pa.Table.from_pylist(self.rows), cfg.out / "results.parquet")
         bar.close()
         summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
