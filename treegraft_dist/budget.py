@@ -29,6 +29,7 @@ from .verify import tree_attention
 
 CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
+MAX_COST_RATIO = 4.0
 
 
 def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None) -> float:
@@ -67,17 +68,22 @@ def model_key(lm: CausalLM, source: str) -> str:
     return f"{name}-{params}-{str(lm.dtype).removeprefix('torch.')}"
 
 
-def latency_profile(lm: CausalLM, source: str, cache_dir: Path, sizes=CANDIDATES) -> dict[int, float]:
-    """Verification ms per tree size, measured once per (model, device) and cached as JSON."""
+def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:
+    """Verification ms per candidate tree size, measured once per (model, device) and cached as JSON.
+
+    Sizes are measured smallest first and the profile stops at the first one costing more than
+    MAX_COST_RATIO single-node passes: such a tree would need that many times the acceptance to pay."""
     path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}.json"
     if path.is_file():
-        cached = {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
-        if set(sizes) <= set(cached):
-            return {b: cached[b] for b in sizes}
+        return {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
     cache = lm.new_cache()
     lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
-    measured = {b: forward_ms(lm, b, repeats=2, cache=cache)
-                for b in tqdm(sizes, desc="profiling verification latency", unit="size", file=sys.stderr)}
+    measured: dict[int, float] = {}
+    for b in tqdm(CANDIDATES, desc="profiling verification latency", unit="size", file=sys.stderr):
+        ms = forward_ms(lm, b, repeats=2, cache=cache)
+        if measured and ms > MAX_COST_RATIO * measured[CANDIDATES[0]]:
+            break
+        measured[b] = ms
     # A bigger block never costs less: a dip is timing noise, so take the lower envelope from above.
     profile, floor = {}, float("inf")
     for b in sorted(measured, reverse=True):

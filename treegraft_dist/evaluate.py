@@ -37,9 +37,8 @@ from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
 TREEGRAFT = "treegraft"
 OUR_FIXED = tuple(NAMED_SCHEDULES)
 DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
-WARMUP_PROMPTS = 3
+WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 12  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
-PROBE_COST_RATIO = 4.0
 
 
 @dataclass
@@ -134,8 +133,7 @@ class Evaluation:
             profile = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
             self.log("verification latency by tree size (ms): "
                      + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
-            # A tree that costs more than a few small passes would need that many times the acceptance.
-            probes = tuple(b for b in CANDIDATES if profile[b] <= PROBE_COST_RATIO * profile[CANDIDATES[0]])
+            probes = tuple(profile)  # the sizes worth measuring on this device
         for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
             if auto and method not in PEER_METHODS and method != AR_METHOD:
                 accepted_at, draft_s, rounds = {}, 0.0, 0
