@@ -17,7 +17,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import AR_METHOD, Generation, check_request, draft_tree, resolve_policy, truncate
+from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, draft_tree, resolve_policy,
+                                   truncate)
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
@@ -113,25 +114,9 @@ class Coordinator:
             self.target.release(gen, rid)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed) -> Generation:
-        stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
-        timer = PhaseTimer(stats)
-        out: list[int] = []
-        if max_new:
-            with timer.phase("prefill"):
-                tok, _ = self.target.call(gen, "prefill", rid, prompt, seed, False)
-            out.append(tok)
-            with timer.phase("verify"):
-                while len(out) < max_new and tok not in eos:
-                    tok = self.target.call(gen, "step", rid, tok)
-                    out.append(tok)
-                    self._progress[rid] = len(out)
-                    stats.accepted.append(1)
-                    stats.tree_sizes.append(1)
-                    stats.middle_calls.append(0)
-        stats.rounds = len(stats.accepted)
-        stats.new_tokens = len(out)
-        timer.finish()
-        return Generation(out, stats)
+        return decode_plain(lambda p: self.target.call(gen, "prefill", rid, p, seed, False)[0],
+                            lambda tok: self.target.call(gen, "step", rid, tok), prompt, max_new, eos,
+                            on_token=lambda n: self._progress.__setitem__(rid, n))
 
     def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed) -> Generation:
         cfg = self.cfg

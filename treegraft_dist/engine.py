@@ -7,6 +7,7 @@ drives in-process components here and remote ones in a coordinator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -104,24 +105,8 @@ class Decoder:
 
     # -- methods --------------------------------------------------------------------------------------
     def _generate_ar(self, verifier: TargetVerifier, prompt, max_new, eos) -> Generation:
-        stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
-        timer = PhaseTimer(stats)
-        out: list[int] = []
-        if max_new:
-            with timer.phase("prefill"):
-                tok, _ = verifier.prefill(prompt, want_prefill_cache=False)
-            out.append(tok)
-            with timer.phase("verify"):
-                while len(out) < max_new and tok not in eos:
-                    tok = verifier.step(tok)
-                    out.append(tok)
-                    stats.accepted.append(1)
-                    stats.tree_sizes.append(1)
-                    stats.middle_calls.append(0)
-        stats.rounds = len(stats.accepted)
-        stats.new_tokens = len(out)
-        timer.finish()
-        return Generation(out, stats)
+        return decode_plain(lambda p: verifier.prefill(p, want_prefill_cache=False)[0], verifier.step, prompt,
+                            max_new, eos)
 
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
         cfg = self.cfg
@@ -160,6 +145,32 @@ class Decoder:
         stats.new_tokens = len(out)
         timer.finish()
         return Generation(out, stats)
+
+
+def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt: list[int], max_new: int,
+                 eos: set[int], on_token: Callable[[int], None] | None = None) -> Generation:
+    """The autoregressive baseline over any target: `prefill(prompt)` gives the first token, `step(token)`
+    the next one; `on_token(count)` is told the progress."""
+    stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
+    timer = PhaseTimer(stats)
+    out: list[int] = []
+    if max_new:
+        with timer.phase("prefill"):
+            tok = prefill(prompt)
+        out.append(tok)
+        with timer.phase("verify"):
+            while len(out) < max_new and tok not in eos:
+                tok = step(tok)
+                out.append(tok)
+                if on_token is not None:
+                    on_token(len(out))
+                stats.accepted.append(1)
+                stats.tree_sizes.append(1)
+                stats.middle_calls.append(0)
+    stats.rounds = len(stats.accepted)
+    stats.new_tokens = len(out)
+    timer.finish()
+    return Generation(out, stats)
 
 
 def check_request(prompt: list[int], max_new_tokens: int) -> None:
