@@ -13,6 +13,8 @@ round only the context plus the accepted path (as far as it was processed) stay.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -22,6 +24,20 @@ from .tree import ORIGIN_MIDDLE, DraftTree, Proposal
 
 NO_SLOT = -1
 _LOGIT_CHUNK = 64  # rows of vocabulary-sized logits materialised at once
+
+
+@dataclass(frozen=True)
+class DrafterState:
+    """A point within a round of NeuralDrafter (see `snapshot`)."""
+
+    cache_len: int
+    committed: int
+    slot: np.ndarray
+    row_of: np.ndarray
+    hidden_calls: int
+    lse: torch.Tensor
+    topk_tokens: np.ndarray
+    topk_logprobs: np.ndarray
 
 
 class NeuralDrafter:
@@ -37,6 +53,7 @@ class NeuralDrafter:
         self.context: list[int] = list(prompt)
         self.cache = self.lm.new_cache()
         self.committed = 0  # context tokens held in the cache
+        self.forward_sizes: list[int] = []  # tokens of every forward so far (context catch-up + tree nodes)
         self._new_round()
 
     def _new_round(self) -> None:
@@ -72,6 +89,21 @@ class NeuralDrafter:
         if self.slot[0] == NO_SLOT:
             self._process(DraftTree(root), np.zeros(1, np.int64))
 
+    def snapshot(self) -> "DrafterState":
+        """This round's state so far, to come back to with `restore` (trajectory collection builds every
+        schedule of a round from shared prefixes). Cheap: arrays are copied, the cache only measured."""
+        return DrafterState(cache_len(self.cache), self.committed, self.slot.copy(), self.row_of.copy(),
+                            len(self.hidden_rows), self.lse, self.topk_tokens, self.topk_logprobs)
+
+    def restore(self, state: "DrafterState") -> None:
+        """Return to a snapshot of this round: cache entries appended since are dropped."""
+        compact_cache(self.cache, state.cache_len, torch.zeros(0, dtype=torch.int64))
+        self.committed = state.committed
+        self.slot, self.row_of = state.slot.copy(), state.row_of.copy()
+        del self.hidden_rows[state.hidden_calls :]
+        self.lse, self.topk_tokens, self.topk_logprobs = state.lse, state.topk_tokens, state.topk_logprobs
+        self._hidden = None
+
     def accept(self, path: list[int], tokens: list[int]) -> None:
         """End of a round: `path` = accepted node ids (root first) of this round's tree, `tokens` = what
         the context grows by. Keeps the cache slots of the accepted path as far as it was processed."""
@@ -103,6 +135,7 @@ class NeuralDrafter:
         if catch_up and past != self.committed:
             raise RuntimeError("middle drafter cache holds tree slots while it lags the context")
         m = len(catch_up) + len(unseen)
+        self.forward_sizes.append(m)
 
         # Cache column of every node once this call has appended its inputs.
         col = self.slot[:n].copy()

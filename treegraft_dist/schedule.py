@@ -66,6 +66,23 @@ class ShallowTreeHeuristic:
         return bool(signals[_FRONTIER_DEPTH] < self.min_depth)
 
 
+class ReplaySchedule:
+    """Given schedules round by round (e.g. the best ones in hindsight); all-small after the last. Counts
+    rounds itself, so use one instance per request."""
+
+    needs_signals = False
+
+    def __init__(self, patterns: list[str], name: str = "replay"):
+        self.patterns = list(patterns)
+        self.name = name
+        self.round = -1
+
+    def decide(self, signals, layer: int) -> bool:
+        if layer == 0:
+            self.round += 1
+        return self.round < len(self.patterns) and self.patterns[self.round][layer] == "1"
+
+
 def fixed_schedule(method: str, depth: int) -> FixedSchedule:
     """`all-small`, `all-mid` or a `depth`-bit pattern such as 01001."""
     if method in NAMED_SCHEDULES:

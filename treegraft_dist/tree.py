@@ -27,6 +27,7 @@ ORIGIN_MIDDLE = 2
 ORIGIN_NAMES = {ORIGIN_ROOT: "root", ORIGIN_NGRAM: "ngram", ORIGIN_MIDDLE: "middle"}
 
 _INITIAL_CAPACITY = 128
+_ARRAYS = ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded")
 
 
 @dataclass
@@ -86,8 +87,16 @@ class DraftTree:
         self.size += 1
         return i
 
+    def copy(self) -> "DraftTree":
+        out = DraftTree.__new__(DraftTree)
+        out.size = self.size
+        for name in _ARRAYS:
+            setattr(out, name, getattr(self, name).copy())
+        out._child = dict(self._child)
+        return out
+
     def _grow(self) -> None:
-        for name in ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded"):
+        for name in _ARRAYS:
             old = getattr(self, name)
             new = np.zeros(2 * len(old), old.dtype)
             new[: len(old)] = old

@@ -1,0 +1,138 @@
+"""Trajectories: every enumerated schedule equals the engine's own round, and accepted lengths read off
+the greedy continuation equal real verification passes."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import VOCAB, hf_greedy, tiny_pair
+from treegraft_dist.collect import CostModel, Collector, accepted_length
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Decoder, draft_tree
+from treegraft_dist.neural import NeuralDrafter
+from treegraft_dist.ngram import NGramDrafter
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.schedule import ReplaySchedule
+from treegraft_dist.signals import context_signals
+from treegraft_dist.stats import PhaseTimer, RequestStats
+from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.value import SCHEDULES, state_index
+from treegraft_dist.verify import TargetVerifier
+
+COST = CostModel("test", ngram_ms=1.0, scheduler_ms=0.3, middle_ms={1: 20.0, 8: 24.0, 64: 60.0},
+                 verify_ms={1: 100.0, 4: 110.0, 16: 150.0, 32: 200.0})
+BUDGETS = (4, 16, 32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair("llama", "close", seed=3)
+
+
+def prompt_of(seed, length=20):
+    rng = random.Random(seed)
+    head = [rng.randrange(VOCAB) for _ in range(7)]
+    return (head * 4)[:length] if seed % 2 else [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def random_tree(root: int, greedy: list[int], rng: random.Random, n: int = 30) -> DraftTree:
+    """Random shape; a node's token is the greedy continuation of its path half the time."""
+    tree = DraftTree(root)
+    for _ in range(n):
+        parent = rng.randrange(tree.size)
+        depth = int(tree.depths[parent])
+        on_line = tree.follow(greedy[:depth]) == tree.path(parent)[1:]
+        token = greedy[depth] if on_line and depth < len(greedy) and rng.random() < 0.5 else rng.randrange(VOCAB)
+        if tree.child(parent, token) is None:
+            tree.graft(Proposal(tree.size, np.array([parent]), np.array([token]), np.array([-rng.random()]),
+                                ORIGIN_NGRAM), 1)
+    return tree
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_accepted_length_from_the_greedy_continuation_equals_a_verification_pass(pair, seed):
+    target, _ = pair
+    rng = random.Random(seed)
+    for k in range(4):
+        prompt = prompt_of(10 * seed + k)
+        greedy = hf_greedy(target, prompt, 24)
+        verifier = TargetVerifier(target, SamplingParams())
+        first, _ = verifier.prefill(prompt)
+        assert first == greedy[0]
+        tree = random_tree(first, greedy[1:], rng)
+        verdict = verifier.verify(tree)
+        assert accepted_length(tree, greedy[1:]) == len(verdict.tokens)
+        assert verdict.tokens == greedy[1 : 1 + len(verdict.tokens)]
+        assert len(verdict.tokens) > 1 or not tree.follow(greedy[1:2])  # the random trees do hit the line
+
+
+class Recorder:
+    """A fixed schedule that keeps the signals the engine computes before each layer."""
+
+    needs_signals = True
+    name = "recorder"
+
+    def __init__(self, bits):
+        self.bits, self.seen = list(bits), []
+
+    def decide(self, signals, layer):
+        self.seen.append(signals.copy())
+        return bool(self.bits[layer])
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_every_enumerated_schedule_equals_the_engine_round(pair, seed):
+    target, middle = pair
+    cfg = TreeConfig(budget=max(BUDGETS))
+    prompt = prompt_of(seed)
+    records = Collector(target, middle, cfg, COST, BUDGETS).rounds(prompt, 16)
+    assert len(records) >= 3
+    greedy = hf_greedy(target, prompt, 16 + cfg.max_tree_depth + 1)
+    context = context_signals(len(prompt), COST.timings(max(BUDGETS)))
+    for rec in records[:3]:
+        pos = rec.position
+        for s in range(32):
+            verifier = TargetVerifier(target, SamplingParams())
+            _, prefill = verifier.prefill(prompt)
+            ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+            mid = NeuralDrafter(middle, cfg.top_k, cfg.lookback)
+            for d in (ngram, mid):
+                d.start(prompt, prefill)
+                d.accept([], greedy[:1])
+                d.accept([0], greedy[1:pos])
+            policy = Recorder(SCHEDULES[s])
+            tree, calls = draft_tree(greedy[pos - 1], cfg, policy, ngram, mid, PhaseTimer(RequestStats("x")), context)
+            assert calls == [bool(b) for b in SCHEDULES[s]]
+            assert tree.size == rec.full_size[s]
+            for layer, sig in enumerate(policy.seen):
+                np.testing.assert_allclose(rec.signals[state_index(SCHEDULES[s][:layer])], sig, rtol=1e-5, atol=1e-6)
+            for j, b in enumerate(BUDGETS):
+                pruned, _ = tree.prune(b)
+                assert pruned.size == rec.tree_size[j, s]
+                assert accepted_length(pruned, greedy[pos:]) == rec.accepted[j, s]
+
+
+def test_replaying_the_chosen_schedules_reproduces_rounds_and_target_output(pair):
+    target, middle = pair
+    cfg = TreeConfig(budget=max(BUDGETS))
+    prompt = prompt_of(5)
+    records = Collector(target, middle, cfg, COST, BUDGETS).rounds(prompt, 24)
+    patterns = ["".join(map(str, SCHEDULES[r.behaviour])) for r in records]
+    gen = Decoder(target, middle, cfg).generate(prompt, 24, ReplaySchedule(patterns))
+    assert gen.tokens == hf_greedy(target, prompt, 24)
+    assert gen.stats.accepted == [int(r.accepted[-1, r.behaviour]) for r in records]
+    assert [r.position for r in records] == list(1 + np.cumsum([0] + gen.stats.accepted[:-1]))
+
+
+def test_schedule_latency_adds_the_steps_of_each_schedule():
+    forwards = np.zeros((63, 2), np.int64)
+    forwards[2] = (3, 8)  # the call at layer 0
+    sizes = np.full((1, 32), 16)
+    lat = COST.schedule_latency(forwards, sizes)[0]
+    call0 = COST.middle(3) + COST.middle(8)
+    assert lat[0] == pytest.approx(5 * COST.ngram_ms + 5 * COST.scheduler_ms + 150.0)
+    assert lat[16] == pytest.approx(call0 + 4 * COST.ngram_ms + 5 * COST.scheduler_ms + 150.0)
+    assert COST.middle(128) == pytest.approx(60.0 + 64 * (36.0 / 56))  # linear past the last point
+    assert CostModel.from_dict(COST.to_dict()) == COST

@@ -1,0 +1,299 @@
+"""Trajectories for the scheduler: every round of a reference decode, drafted under all 32 schedules.
+
+For one prompt the target first decodes greedily (the reference). Each round then starts from a point
+of that reference (root = the last accepted token) and grows the tree under every D-bit schedule,
+depth-first, so schedules share prefixes: 63 prefix states, 31 middle calls and 31 n-gram steps a round
+instead of 32 x 5 steps. At every prefix state the 17 signals are recorded; for every complete schedule,
+at every recorded budget, the tree is pruned as the engine would and its accepted length is read off the
+reference: the longest prefix of the target's greedy continuation that is a path in the pruned tree,
+plus the bonus token. No target pass per schedule is needed (tests check this equals a real
+verification pass).
+
+How the reference advances between rounds: by the accepted length of the round's best schedule (most
+tokens per second under the cost model) at the largest recorded budget, which is where a good scheduler
+would be next. The middle drafter's cache then keeps only the context, as at the start of any round.
+
+Latency of a schedule comes from the cost model measured on this device (`CostModel`): per layer one
+scheduler call plus either an n-gram step or the middle drafter's forwards (priced by the tokens each
+processes), then one verification of the pruned tree (priced by its size). Recorded are the raw
+quantities (forward sizes, pruned sizes), so latencies can be recomputed under another cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .budget import device_name, forward_ms, latency_profile, model_key
+from .config import TreeConfig
+from .engine import check_request, next_frontier, truncate
+from .hf import CausalLM
+from .neural import NeuralDrafter
+from .ngram import NGramDrafter
+from .sampling import SamplingParams
+from .signals import MAX_LAYERS, NUM_SIGNALS, Timings, compute_signals, context_signals
+from .tree import DraftTree
+from .value import NUM_DECISION_STATES, NUM_SCHEDULES, NUM_STATES, SCHEDULES
+from .verify import TargetVerifier
+
+D = MAX_LAYERS
+MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
+FORWARDS_PER_CALL = 2  # a middle call runs the unseen internal nodes, then the unseen selected nodes
+
+
+# -- the cost model -----------------------------------------------------------------------------------
+
+def _interp(table: dict[int, float], x: float) -> float:
+    """Piecewise-linear in x through the measured points, extended linearly past the last two."""
+    xs = np.array(sorted(table), np.float64)
+    ys = np.array([table[int(k)] for k in xs], np.float64)
+    if len(xs) == 1 or x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured costs on one device, in milliseconds."""
+
+    device: str
+    ngram_ms: float  # one n-gram drafting step
+    scheduler_ms: float  # one scheduler call (signals + decision), paid before every layer
+    middle_ms: dict[int, float]  # tokens in one middle-drafter forward -> ms
+    verify_ms: dict[int, float]  # pruned tree size -> ms of one target verification
+
+    def middle(self, tokens: int) -> float:
+        return 0.0 if tokens <= 0 else _interp(self.middle_ms, tokens)
+
+    def verify(self, size: int) -> float:
+        return _interp(self.verify_ms, size)
+
+    def timings(self, budget: int) -> Timings:
+        """T_tgt and T_mid as the engine measures them (one forward over a budget-sized block)."""
+        return Timings(self.verify(budget), self.middle(budget))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["middle_ms"] = {str(k): v for k, v in self.middle_ms.items()}
+        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        try:
+            return cls(str(d["device"]), float(d["ngram_ms"]), float(d["scheduler_ms"]),
+                       {int(k): float(v) for k, v in d["middle_ms"].items()},
+                       {int(k): float(v) for k, v in d["verify_ms"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a cost model ({type(e).__name__}: {e}); expected the keys device, ngram_ms, "
+                             "scheduler_ms, middle_ms, verify_ms as `treegraft collect` writes them") from e
+
+    def schedule_latency(self, forwards: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Latency (ms) of each complete schedule. forwards: [63, 2] middle forward sizes of the step into
+        each prefix state (0 = none); sizes: [B, 32] pruned tree sizes -> [B, 32]."""
+        step = np.array([self.middle(int(a)) + self.middle(int(b)) for a, b in forwards])
+        step[1:][(forwards[1:] == 0).all(1)] = self.ngram_ms
+        step[0] = 0.0
+        draft = np.zeros(NUM_SCHEDULES)
+        for s in range(NUM_SCHEDULES):
+            state = 0
+            for bit in SCHEDULES[s]:
+                state = 2 * state + 1 + int(bit)
+                draft[s] += step[state]
+        draft += D * self.scheduler_ms
+        verify = np.vectorize(self.verify, otypes=[np.float64])(sizes)
+        return draft[None, :] + verify
+
+
+def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:
+    """ms of one middle-drafter forward per block size, measured once per (model, device), cached."""
+    path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}--middle.json"
+    if path.is_file():
+        return {int(k): v for k, v in json.loads(path.read_text())["forward_ms"].items()}
+    measured = {b: forward_ms(lm, b, repeats=2)
+                for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
+    profile, floor = {}, float("inf")
+    for b in sorted(measured, reverse=True):  # never cheaper for more tokens: a dip is noise
+        floor = min(floor, measured[b])
+        profile[b] = floor
+    profile = dict(sorted(profile.items()))
+    _write_json_atomic(path, {"model": source, "device": device_name(lm.device),
+                              "forward_ms": {str(k): v for k, v in profile.items()}})
+    return profile
+
+
+def cpu_step_costs(context: list[int], cfg: TreeConfig, repeats: int = 200) -> tuple[float, float]:
+    """Median ms of (one n-gram step, one scheduler call) over trees grown on `context` (a real prompt)."""
+    from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
+
+    ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+    ngram.start(list(context), None)
+    policy = LearnedScheduler(SchedulerMLP(), SchedulerInfo(("", "")))
+    ctx = context_signals(len(context), Timings(1.0, 1.0))
+    step_ms, sched_ms = [], []
+    for _ in range(max(1, repeats // cfg.depth)):
+        tree, frontier, calls = DraftTree(int(context[-1])), np.zeros(1, np.int64), []
+        for layer in range(cfg.depth):
+            t0 = time.perf_counter()
+            sig = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k, ctx)
+            policy.decide(sig, layer)
+            t1 = time.perf_counter()
+            proposal = ngram.step(tree, frontier, layer + 1)
+            t2 = time.perf_counter()
+            ids = tree.graft(proposal, layer + 1)
+            if len(proposal):
+                frontier = next_frontier(tree, proposal, ids, cfg.top_k)
+            calls.append(False)
+            sched_ms.append((t1 - t0) * 1e3)
+            step_ms.append((t2 - t1) * 1e3)
+    return statistics.median(step_ms), statistics.median(sched_ms)
+
+
+def measure_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
+                  context: list[int], cfg: TreeConfig) -> CostModel:
+    verify = latency_profile(target, target_source, cache_dir)
+    mid = middle_profile(middle, middle_source, cache_dir)
+    ngram_ms, sched_ms = cpu_step_costs(context, cfg)
+    return CostModel(device_name(target.device), ngram_ms, sched_ms, mid, verify)
+
+
+# -- one round, every schedule ------------------------------------------------------------------------
+
+@dataclass
+class RoundRecord:
+    """One round of one prompt under all 32 schedules (prefix states in heap order, see value.py)."""
+
+    position: int  # tokens generated before the round; the root is the last of them
+    signals: np.ndarray  # [63, 17] float32
+    forwards: np.ndarray  # [63, 2] int64: middle forward sizes of the step into each state (0, 0 = n-gram)
+    full_size: np.ndarray  # [32] int64: tree size before pruning
+    tree_size: np.ndarray  # [B, 32] int64: pruned size per recorded budget
+    accepted: np.ndarray  # [B, 32] int64: accepted length (bonus included) per recorded budget
+    behaviour: int = -1  # schedule whose accepted length advanced the reference
+
+
+def accepted_length(tree: DraftTree, continuation) -> int:
+    """Accepted length of a (pruned) tree under greedy verification, bonus token included: the longest
+    root path spelling a prefix of the target's greedy continuation after the root, plus one."""
+    return len(tree.follow(continuation)) + 1
+
+
+def enumerate_round(root: int, cfg: TreeConfig, ngram: NGramDrafter, middle: NeuralDrafter,
+                    context: np.ndarray, continuation: list[int], budgets: tuple[int, ...]) -> RoundRecord:
+    """Draft one round under every schedule from shared prefixes. `context`: the request's 4 context
+    signals; `continuation`: the target's greedy tokens after the root. Drafter states are left as at
+    the start of the round (the middle drafter may have processed the root)."""
+    if cfg.depth != D:
+        raise ValueError(f"trajectories enumerate {D}-layer schedules; the tree config has depth {cfg.depth}")
+    signals = np.zeros((NUM_STATES, NUM_SIGNALS), np.float32)
+    forwards = np.zeros((NUM_STATES, FORWARDS_PER_CALL), np.int64)
+    full = np.zeros(NUM_SCHEDULES, np.int64)
+    sizes = np.zeros((len(budgets), NUM_SCHEDULES), np.int64)
+    accepted = np.zeros((len(budgets), NUM_SCHEDULES), np.int64)
+    middle.prefetch(root)
+
+    def visit(state: int, tree: DraftTree, frontier: np.ndarray, calls: list[bool]) -> None:
+        layer = len(calls)
+        signals[state] = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k, context)
+        if layer == cfg.depth:
+            s = state - NUM_DECISION_STATES
+            full[s] = tree.size
+            for j, b in enumerate(budgets):
+                pruned, _ = tree.prune(b)
+                sizes[j, s] = pruned.size
+                accepted[j, s] = accepted_length(pruned, continuation)
+            return
+        saved = middle.snapshot()
+        for call in (False, True):
+            child, drafter = tree.copy(), middle if call else ngram
+            if call:
+                middle.restore(saved)
+                first = len(middle.forward_sizes)
+            proposal = drafter.step(child, frontier, layer + 1)
+            if call:
+                done = middle.forward_sizes[first:]
+                forwards[2 * state + 2, : len(done)] = done
+            ids = child.graft(proposal, layer + 1)
+            nxt = next_frontier(child, proposal, ids, cfg.top_k) if len(proposal) else frontier
+            visit(2 * state + 1 + int(call), child, nxt, calls + [call])
+        middle.restore(saved)
+
+    visit(0, DraftTree(root), np.zeros(1, np.int64), [])
+    return RoundRecord(0, signals, forwards, full, sizes, accepted)
+
+
+def reference_decode(target: CausalLM, prompt: list[int], n: int, eos: set[int]):
+    """The target's greedy continuation (n tokens, cut after eos) and its prefill cache."""
+    verifier = TargetVerifier(target, SamplingParams())
+    tok, prefill = verifier.prefill(prompt)
+    out = [tok]
+    while len(out) < n and tok not in eos:
+        tok = verifier.step(tok)
+        out.append(tok)
+    return truncate(out, n, eos), prefill
+
+
+class Collector:
+    """Trajectories of whole prompts on one model pair."""
+
+    def __init__(self, target: CausalLM, middle: CausalLM, cfg: TreeConfig, cost: CostModel,
+                 budgets: tuple[int, ...] | None = None):
+        self.target, self.middle, self.cfg, self.cost = target, middle, cfg, cost
+        self.budgets = tuple(sorted(budgets or cost.verify_ms))
+        if not self.budgets or min(self.budgets) < 1:
+            raise ValueError(f"budgets must be sizes >= 1, got {self.budgets}")
+
+    def rounds(self, prompt: list[int], max_new_tokens: int, eos=(), progress: bool = False) -> list[RoundRecord]:
+        check_request(prompt, max_new_tokens)
+        cfg, eos = self.cfg, set(eos)
+        lookahead = cfg.max_tree_depth + 1
+        ref, prefill = reference_decode(self.target, prompt, max_new_tokens + lookahead, eos)
+        limit = len(truncate(ref, max_new_tokens, eos))
+        # The context signals use the timings of the largest budget; fitting rewrites them per budget.
+        context = context_signals(len(prompt), self.cost.timings(max(self.budgets)))
+        ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+        middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback)
+        for d in (ngram, middle):
+            d.start(prompt, prefill)
+            d.accept([], ref[:1])
+        out, pos = [], 1
+        bar = tqdm(total=limit, desc="tokens", unit="tok", file=sys.stderr, disable=not progress, leave=False)
+        bar.update(1)
+        while pos < limit and ref[pos - 1] not in eos:
+            rec = enumerate_round(ref[pos - 1], cfg, ngram, middle, context, ref[pos:], self.budgets)
+            rec.position = pos
+            lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:])[0]
+            rate = rec.accepted[-1] / lat
+            rec.behaviour = int(np.flatnonzero(rate == rate.max())[0])
+            out.append(rec)
+            step = int(rec.accepted[-1, rec.behaviour])
+            tokens = ref[pos : pos + step]
+            for d in (ngram, middle):
+                d.accept([0], tokens)
+            pos += len(tokens)
+            bar.update(len(tokens))
+        bar.close()
+        return out
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
