@@ -16,10 +16,13 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The main job: every method on the embedded default pair, on CPU: one prompt of each of the six
-# benchmarks, 64 new tokens (about 15 minutes on 2 cores, model preparation included).
+# The main job on the embedded default pair, on CPU: one prompt of each of the six benchmarks, 64 new
+# tokens, plain decoding against all-small, treegraft and the two Hugging Face peers (about 17 minutes
+# on 2 cores, model preparation included). all-mid, value-planner and oracle: add them to --methods.
+EVAL_METHODS ?= ar,all-small,treegraft,hf-assisted,hf-pld
 eval: $(STAMP)
-	$(VENV)/bin/treegraft eval --device cpu --prompts-per-benchmark 1 --max-new-tokens 64 --out out/eval
+	$(VENV)/bin/treegraft eval --device cpu --prompts-per-benchmark 1 --max-new-tokens 64 \
+		--methods $(EVAL_METHODS) --out out/eval
 
 # Fast suite, then the real-model smoke test (prepares the embedded pair on first use).
 test: $(STAMP)
