@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, draft_tree, resolve_policy,
+                                   round_config,
                                    truncate)
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
@@ -119,7 +120,7 @@ class Coordinator:
                             on_token=lambda n: self._progress.__setitem__(rid, n))
 
     def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed) -> Generation:
-        cfg = self.cfg
+        cfg = round_config(self.cfg, policy, lambda: self.timings)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats)

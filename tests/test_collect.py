@@ -8,17 +8,20 @@ import pytest
 import torch
 
 from tiny import VOCAB, hf_greedy, tiny_pair
-from treegraft_dist.collect import CostModel, Collector, accepted_length
+import pyarrow as pa
+
+from treegraft_dist.collect import CostModel, Collector, Trajectories, accepted_length, records_table
+from treegraft_dist.fit import call_cap, feasible, fit, oracle_schedules
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import Decoder, draft_tree
 from treegraft_dist.neural import NeuralDrafter
 from treegraft_dist.ngram import NGramDrafter
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import ReplaySchedule
-from treegraft_dist.signals import context_signals
+from treegraft_dist.signals import Timings, context_signals
 from treegraft_dist.stats import PhaseTimer, RequestStats
 from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
-from treegraft_dist.value import SCHEDULES, state_index
+from treegraft_dist.value import SCHEDULES, ValuePlanner, load_artifact, state_index
 from treegraft_dist.verify import TargetVerifier
 
 COST = CostModel("test", ngram_ms=1.0, scheduler_ms=0.3, middle_ms={1: 20.0, 8: 24.0, 64: 60.0},
@@ -136,3 +139,60 @@ def test_schedule_latency_adds_the_steps_of_each_schedule():
     assert lat[16] == pytest.approx(call0 + 4 * COST.ngram_ms + 5 * COST.scheduler_ms + 150.0)
     assert COST.middle(128) == pytest.approx(60.0 + 64 * (36.0 / 56))  # linear past the last point
     assert CostModel.from_dict(COST.to_dict()) == COST
+
+
+class AlwaysCall:
+    needs_signals = False
+    name = "always"
+
+    def __init__(self, budgeted):
+        self.budgeted = budgeted
+
+    def decide(self, signals, layer):
+        return True
+
+
+@pytest.mark.parametrize("budgeted, timings, cap", [(True, (100.0, 40.0), 2), (True, (100.0, 200.0), 0),
+                                                    (False, (100.0, 40.0), 5)])
+def test_budgeted_policies_get_b0_middle_calls_a_round(pair, budgeted, timings, cap):
+    target, middle = pair
+    prompt = prompt_of(2)
+    gen = Decoder(target, middle, TreeConfig(budget=16), timings=Timings(*timings)).generate(
+        prompt, 12, AlwaysCall(budgeted))
+    assert gen.tokens == hf_greedy(target, prompt, 12)
+    assert set(gen.stats.middle_calls) == {cap}
+
+
+def test_fit_on_collected_rounds_gives_an_artifact_the_engine_runs(pair, tmp_path):
+    target, middle = pair
+    cfg = TreeConfig(budget=max(BUDGETS))
+    collector = Collector(target, middle, cfg, COST, BUDGETS)
+    tables = []
+    for k in range(6):
+        prompt = prompt_of(20 + k)
+        tables.append(records_table(collector.rounds(prompt, 16), "gsm8k" if k % 2 else "qa", f"q{k}", len(prompt),
+                                    BUDGETS, COST))
+    manifest = {"pair": ["t", "m"], "cost_model": COST.to_dict(), "budgets": list(BUDGETS), "tree": cfg.to_dict(),
+                "max_new_tokens": 16}
+    traj = Trajectories(manifest, pa.concat_tables(tables))
+    sched, heads, report = fit(traj, tmp_path / "s.npz", heldout_fraction=0.34, value_fit={"epochs": 5},
+                               scheduler_fit={"epochs": 5}, log=lambda *a: None)
+    assert report.budget in BUDGETS and report.call_cap == call_cap(COST, report.budget) == 0 + int(
+        COST.verify(report.budget) // COST.middle(report.budget))
+    assert report.train_rounds + report.heldout_rounds == traj.table.num_rows
+    assert set(report.candidates) == {"all", "context+prefix", "tree+prefix", "ratio-only"}
+    assert "oracle" in report.table()
+    # The oracle is the best schedule of every round: no policy beats it on any round.
+    rounds = traj.rounds(report.budget)
+    best = oracle_schedules(rounds, report.call_cap)
+    tps = rounds.tokens_per_s() * feasible(report.call_cap)
+    assert (tps[np.arange(len(rounds)), best] >= tps.max(1) - 1e-9).all()
+
+    loaded, loaded_heads = load_artifact(tmp_path / "s.npz", expect_pair=("t", "m"))
+    assert loaded.info.cost_profile["budget"] == report.budget and loaded.info.split["heldout"]
+    x = rounds.decision_signals()
+    assert [loaded.decide(v, 0) for v in x] == [sched.decide(v, 0) for v in x]
+    prompt = prompt_of(9)
+    for policy in (loaded, ValuePlanner(loaded_heads, report.call_cap)):
+        gen = Decoder(target, middle, TreeConfig(budget=report.budget)).generate(prompt, 16, policy)
+        assert gen.tokens == hf_greedy(target, prompt, 16)

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jobs import bench_scheduler
 from tiny import VOCAB, hf_greedy, tiny_pair
 from treegraft_dist import value
 from treegraft_dist.config import TreeConfig
@@ -281,6 +282,93 @@ def test_offline_stage_chooses_the_informative_subset_and_distils_it(tmp_path):
     assert loaded.info.fit["subset_errors"] == errors
 
 
+# -- the value system online and in the artifact ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fitted():
+    """Synthetic rounds and value heads fitted a little on them (both actions are then common)."""
+    rounds = synthetic_rounds(40, seed=21)
+    return rounds, value.fit_value_heads(rounds, seed=2, epochs=3, hidden=32)
+
+
+def planner_decisions(planner: value.ValuePlanner, rounds: value.Rounds) -> np.ndarray:  # [R, 31] bool
+    layers = [len(value.state_prefix(i)) for i in range(value.NUM_DECISION_STATES)]
+    return np.array([[planner.decide(rounds.signals[r, i], layers[i]) for i in range(value.NUM_DECISION_STATES)]
+                     for r in range(len(rounds))])
+
+
+def test_value_planner_decides_as_the_sign_of_the_margins(fitted):
+    rounds, heads = fitted
+    planner = value.ValuePlanner(heads)
+    assert (planner.name, planner.needs_signals) == ("value-planner", True)
+    margins = heads.margins(rounds.signals)
+    decided = planner_decisions(planner, rounds)
+    clear = margins != 0
+    assert clear.mean() > 0.99 and 0.1 < decided.mean() < 0.9
+    np.testing.assert_array_equal(decided[clear], margins[clear] > 0)
+    with pytest.raises(ValueError, match="plans 5 drafting layers"):
+        planner.decide(rounds.signals[0, 0], 5)
+
+
+def test_artifact_round_trip_keeps_the_value_heads(tmp_path, fitted):
+    rounds, heads = fitted
+    sched = random_scheduler(12)
+    path = value.save_artifact(tmp_path / "s.npz", sched, heads)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.npz"]
+    with np.load(path) as z:
+        assert {"value.mean", "value.std", "value.target_norm", "value.accepted_skip.0.weight",
+                "value.loglat_call.4.bias", "w1", "meta_json"} <= set(z.files)
+    loaded_sched, loaded = value.load_artifact(path, expect_pair=PAIR)
+    assert loaded.subset == heads.subset and loaded.target_norm == heads.target_norm
+    assert loaded.hidden == heads.hidden == 32
+    x = rounds.signals[:, value.QUERY_STATE].reshape(-1, NUM_SIGNALS)
+    suffix = np.tile(value.QUERY_SUFFIX, (len(rounds), 1))
+    before, after = heads.predict(x, suffix), loaded.predict(x, suffix)
+    assert all(np.array_equal(before[h], after[h]) for h in value.HEADS)
+    np.testing.assert_array_equal(planner_decisions(value.ValuePlanner(loaded), rounds),
+                                  planner_decisions(value.ValuePlanner(heads), rounds))
+    signals = random_signals(200, 13)
+    assert [loaded_sched.margin(r) for r in signals] == [sched.margin(r) for r in signals]
+    assert loaded_sched.info == sched.info
+    # The scheduler alone still loads from it, and saving it again keeps the heads.
+    plain = LearnedScheduler.load(path, expect_pair=PAIR)
+    assert plain.extra_meta["value"]["hidden"] == 32
+    again = value.load_artifact(plain.save(tmp_path / "again.npz"))[1]
+    assert all(np.array_equal(again.predict(x, suffix)[h], before[h]) for h in value.HEADS)
+    # Without heads: None, from either writer.
+    assert value.load_artifact(value.save_artifact(tmp_path / "none.npz", sched, None))[1] is None
+    assert value.load_artifact(sched.save(tmp_path / "plain.npz"))[1] is None
+
+
+def drop(path, key):
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files if k != key}
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: drop(p, "value.loglat_skip.2.weight"),
+     r"value.loglat_skip.2.weight missing \(expected \(32, 32\)\)"),
+    (lambda p: rewrite(p, **{"value.accepted_call.0.weight": np.zeros((32, 17), np.float32)}),
+     r"value.accepted_call.0.weight \(32, 17\) \(expected \(32, 27\)\)"),
+    (lambda p: rewrite(p, **{"value.mean": np.full(17, np.inf, np.float32)}), r"non-finite .*value.mean"),
+    (lambda p: rewrite(p, **{"value.target_norm": np.zeros((4, 2))}), "target_norm std <= 0"),
+    (lambda p: rewrite(p, extra={}), "value-head arrays but metadata None"),
+    (lambda p: rewrite(p, extra={"value": {"subset": ["t_tgt_ms"], "hidden": 64, "heads": list(value.HEADS)}}),
+     r"wrong shape or type for hidden size 64"),
+    (lambda p: rewrite(p, extra={"value": {"subset": ["gpu_temperature"], "hidden": 32,
+                                           "heads": list(value.HEADS)}}), "not a non-empty subset"),
+])
+def test_damaged_value_heads_are_refused_with_a_reason(tmp_path, fitted, damage, message):
+    path = value.save_artifact(tmp_path / "s.npz", random_scheduler(14), fitted[1])
+    damage(path)
+    with pytest.raises(SchedulerArtifactError, match=message) as err:
+        value.load_artifact(path, expect_pair=PAIR)
+    text = str(err.value)
+    assert "\n" not in text and str(path) in text and "damaged value-head part" in text
+    assert "value.save_artifact" in text
+
+
 # -- in the engine ------------------------------------------------------------------------------------
 
 def always_call() -> LearnedScheduler:
@@ -336,3 +424,21 @@ def test_learned_scheduler_in_the_engine_is_lossless_and_respects_the_call_budge
                 assert set(got.stats.middle_calls) == {expect_calls}
             else:
                 assert 0 < sum(rec.decisions) < len(rec.decisions)  # it really mixed calls and skips
+
+
+def test_value_planner_in_the_engine_is_lossless(fitted):
+    target, mid = tiny_pair("llama", "close")
+    dec = Decoder(target, mid, TreeConfig(), timings=Timings(12.0, 3.0))
+    prompt = [5, 9, 2, 6, 5, 3] * 4
+    got = dec.generate(prompt, 20, value.ValuePlanner(fitted[1]))
+    assert got.tokens == hf_greedy(target, prompt, 20)
+    assert got.stats.method == "value-planner"
+
+
+def test_scheduler_benchmark_runs_and_reports_positive_times(capsys):
+    results = bench_scheduler.main(["--calls", "20", "--seed", "1"])
+    assert set(results) == {"signals", "decide", "call", "planner"}
+    for row in results.values():
+        assert 0 < row["median_ms"] <= row["p90_ms"] < 1e3
+    out = capsys.readouterr().out
+    assert "(d) ValuePlanner.decide" in out and "ms target" in out

@@ -168,6 +168,25 @@ def _int_arg(name: str, value: str) -> int:
         raise UsageError(f"{name} must be an integer or 'auto', got {value!r}") from None
 
 
+def cmd_collect(args) -> int:
+    from actors.collect import COLLECT_BENCHMARKS, CollectConfig, collect
+
+    tree = tree_config(args)
+    benchmarks = tuple(b for b in (args.benchmarks or ",".join(COLLECT_BENCHMARKS)).split(",") if b)
+    if args.middle.lower() == "none":
+        raise UsageError("collect builds trees with the middle drafter: give --middle")
+    t_src, _, m_src, _ = resolve_pair(args, need_middle=True)
+    cfg = CollectConfig(t_src, m_src, (args.target, args.middle), Path(args.out), benchmarks,
+                        args.prompts_per_benchmark, args.first_question, args.max_new_tokens, tree, args.device,
+                        args.dtype, args.actors, args.cpus_per_actor, args.gpus_per_actor, args.threads,
+                        Path(args.cache_dir) if args.cache_dir else None)
+    report = collect(cfg, args.address)
+    print(f"{report.collected} prompts collected ({report.rounds} rounds), {report.skipped} already there, of "
+          f"{report.prompts} selected, in {report.seconds:.0f} s\nrounds: {report.out / 'rounds'}\n"
+          f"manifest: {report.out / 'collect.json'}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     target, middle = prepare_default_models(args.cache_dir, progress=True)
     print(f"target: {target}\nmiddle: {middle}")
@@ -206,6 +225,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--multi-turn", action="store_true", help="all turns (later turns carry the reference answers)")
     e.add_argument("--out", default="out/eval")
     e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("collect", help="scheduler trajectories: every round under all 32 schedules (Ray Data)")
+    _add_model_args(c)
+    _add_tree_args(c)
+    c.add_argument("--benchmarks", default=None, help="comma-separated (default: all but mt_bench, which is held out)")
+    c.add_argument("--prompts-per-benchmark", type=int, default=8)
+    c.add_argument("--first-question", type=int, default=20,
+                   help="first question used per benchmark (default %(default)s; eval uses the first ones)")
+    c.add_argument("--max-new-tokens", type=int, default=64, help="length of each reference decode")
+    c.add_argument("--actors", type=int, default=1, help="actors in the pool, each holding both models")
+    c.add_argument("--cpus-per-actor", type=float, default=1.0)
+    c.add_argument("--gpus-per-actor", type=float, default=0.0)
+    c.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / actors)")
+    c.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    c.add_argument("--out", default="out/trajectories", help="output folder; an interrupted run resumes there")
+    c.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
     p.add_argument("--cache-dir", default=None)

@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .budget import device_name, forward_ms, latency_profile, model_key
@@ -297,3 +299,119 @@ def _write_json_atomic(path: Path, obj) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# -- storage: one Parquet file per prompt ---------------------------------------------------------------
+
+SCHEMA_VERSION = 1
+META_KEY = b"treegraft"
+MANIFEST = "collect.json"
+ROUNDS_DIR = "rounds"
+HELD_OUT_BENCHMARKS = ("mt_bench",)  # never collected, never fitted on
+
+ROUND_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),  # question id within its benchmark
+    ("benchmark", pa.string()),
+    ("round", pa.int32()),  # 0-based round of the reference decode
+    ("position", pa.int32()),  # tokens generated before the round (the root is the last of them)
+    ("prompt_len", pa.int32()),
+    ("signals", pa.list_(pa.float32(), NUM_STATES * NUM_SIGNALS)),  # [63, 17], heap-ordered states
+    ("forwards", pa.list_(pa.int32(), NUM_STATES * FORWARDS_PER_CALL)),  # [63, 2] middle forward sizes
+    ("full_size", pa.list_(pa.int32(), NUM_SCHEDULES)),  # [32] tree size before pruning
+    ("budgets", pa.list_(pa.int32())),  # [B] recorded budgets
+    ("tree_size", pa.list_(pa.int32())),  # [B, 32] pruned size
+    ("accepted", pa.list_(pa.int32())),  # [B, 32] accepted length, bonus token included
+    ("latency_ms", pa.list_(pa.float64())),  # [B, 32] under the run's cost model
+    ("behaviour", pa.int8()),  # schedule that advanced the reference
+])
+
+
+def part_name(benchmark: str, prompt_id: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{benchmark}--{prompt_id}")
+    return f"{safe}.parquet"
+
+
+def records_table(records: list[RoundRecord], benchmark: str, prompt_id: str, prompt_len: int,
+                  budgets: tuple[int, ...], cost: CostModel) -> pa.Table:
+    rows = []
+    for r, rec in enumerate(records):
+        rows.append({
+            "prompt_id": prompt_id, "benchmark": benchmark, "round": r, "position": rec.position,
+            "prompt_len": prompt_len, "signals": rec.signals.reshape(-1).tolist(),
+            "forwards": rec.forwards.reshape(-1).tolist(), "full_size": rec.full_size.tolist(),
+            "budgets": list(budgets), "tree_size": rec.tree_size.reshape(-1).tolist(),
+            "accepted": rec.accepted.reshape(-1).tolist(),
+            "latency_ms": cost.schedule_latency(rec.forwards, rec.tree_size).reshape(-1).tolist(),
+            "behaviour": rec.behaviour,
+        })
+    return pa.Table.from_pylist(rows, schema=ROUND_SCHEMA)
+
+
+def write_part(table: pa.Table, path: Path) -> None:
+    """Write one prompt's rounds whole or not at all (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class Trajectories:
+    """A collection run read back: its manifest and all rounds."""
+
+    manifest: dict
+    table: pa.Table
+
+    @property
+    def cost(self) -> CostModel:
+        return CostModel.from_dict(self.manifest["cost_model"])
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return tuple(self.manifest["budgets"])
+
+    def rounds(self, budget: int):
+        """The value system's view (value.Rounds) at one recorded budget: accepted lengths and latencies of
+        that budget; context timings rewritten to what the engine measures at that budget."""
+        from .value import Rounds
+
+        if budget not in self.budgets:
+            raise ValueError(f"budget {budget} was not recorded; this collection has {list(self.budgets)}")
+        j = self.budgets.index(budget)
+        t, cost, b = self.table, self.cost, len(self.budgets)
+        n = t.num_rows
+        signals = _column(t, "signals", np.float32).reshape(n, NUM_STATES, NUM_SIGNALS).copy()
+        timings = cost.timings(budget)
+        ctx = context_signals(1, timings)
+        signals[:, :, 1:4] = ctx[1:4]
+        forwards = _column(t, "forwards", np.int64).reshape(n, NUM_STATES, FORWARDS_PER_CALL)
+        sizes = _column(t, "tree_size", np.int64).reshape(n, b, NUM_SCHEDULES)[:, j]
+        accepted = _column(t, "accepted", np.int64).reshape(n, b, NUM_SCHEDULES)[:, j]
+        latency = np.stack([cost.schedule_latency(f, s[None])[0] for f, s in zip(forwards, sizes)])
+        return Rounds(signals, accepted, latency, t.column("prompt_id").to_numpy(zero_copy_only=False),
+                      t.column("benchmark").to_numpy(zero_copy_only=False))
+
+
+def _column(t: pa.Table, name: str, dtype) -> np.ndarray:
+    return np.asarray(pc.list_flatten(t.column(name)).to_numpy(zero_copy_only=False), dtype)
+
+
+def read_trajectories(folder: str | Path) -> Trajectories:
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise ValueError(f"{folder} has no {MANIFEST}: it is not a `treegraft collect` output folder")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{folder} was written with trajectory schema {manifest.get('schema_version')!r}; this "
+                         f"version reads {SCHEMA_VERSION}: collect again")
+    parts = sorted((folder / ROUNDS_DIR).glob("*.parquet"))
+    if not parts:
+        raise ValueError(f"{folder / ROUNDS_DIR} holds no rounds yet: run `treegraft collect` first")
+    table = pa.concat_tables([pq.read_table(p, schema=ROUND_SCHEMA) for p in parts])
+    return Trajectories(manifest, table)

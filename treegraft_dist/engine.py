@@ -6,6 +6,7 @@ drives in-process components here and remote ones in a coordinator.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,7 +110,7 @@ class Decoder:
                             max_new, eos)
 
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
-        cfg = self.cfg
+        cfg = round_config(self.cfg, policy, lambda: self.timings)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats)
@@ -171,6 +172,19 @@ def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int]
     stats.new_tokens = len(out)
     timer.finish()
     return Generation(out, stats)
+
+
+def default_call_budget(timings: Timings) -> int:
+    """b0 = floor(T_tgt / T_mid): middle calls that fit in one verification's time."""
+    return max(0, int(timings.t_tgt_ms // timings.t_mid_ms))
+
+
+def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings]) -> TreeConfig:
+    """The tree settings a request runs with: a policy marked `budgeted` (the learned scheduler, the value
+    planner) gets the call budget b0 = floor(T_tgt / T_mid) per round unless the config sets one."""
+    if cfg.call_budget is None and getattr(policy, "budgeted", False):
+        return dataclasses.replace(cfg, call_budget=default_call_budget(timings()))
+    return cfg
 
 
 def check_request(prompt: list[int], max_new_tokens: int) -> None:

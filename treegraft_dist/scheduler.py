@@ -3,8 +3,9 @@ whether calling the middle drafter pays (margin > 0) or an n-gram step does.
 
 It is fitted offline (value.py) and shipped as one artifact file: weights, the z-score normalisation,
 the signal subset it was fitted on, the device cost profile and model pair it belongs to, the data split
-and the versions that wrote it. At run time the forward is a few float32 numpy products on a [17]
-vector with the normalisation folded into the first layer: no torch, no autograd.
+and the versions that wrote it; optionally also the value heads it was distilled from (written and read
+by value.save_artifact / value.load_artifact). At run time the forward is a few float32 numpy products
+on a [17] vector with the normalisation folded into the first layer: no torch, no autograd.
 
 The network always takes all 17 signals; signals outside the fitted subset are multiplied by 0 after
 z-scoring (the `mask` buffer), so a model fitted without the raw millisecond timings cannot read them on
@@ -123,6 +124,7 @@ class LearnedScheduler:
 
     name = "treegraft"
     needs_signals = True
+    budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
 
     def __init__(self, model: SchedulerMLP, info: SchedulerInfo):
         self.model = model.eval()
@@ -138,6 +140,9 @@ class LearnedScheduler:
         self._b3 = float(a["b3"][0])
         self._h1 = np.empty(HIDDEN[0], np.float32)
         self._h2 = np.empty(HIDDEN[1], np.float32)
+        # What the artifact carries besides the scheduler (value.save_artifact puts the value heads here).
+        self.extra_arrays: dict[str, np.ndarray] = {}
+        self.extra_meta: dict = {}
 
     @property
     def subset(self) -> tuple[str, ...]:
@@ -159,15 +164,27 @@ class LearnedScheduler:
         return self.margin(signals) > 0.0
 
     # -- the artifact ---------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write the artifact (.npz) atomically: a temporary file in the same folder, then a rename."""
+    def save(self, path: str | Path, extra_arrays: dict[str, np.ndarray] | None = None,
+             extra_meta: dict | None = None) -> Path:
+        """Write the artifact (.npz) atomically: a temporary file in the same folder, then a rename.
+
+        `extra_arrays` (keys other than the scheduler's own) and `extra_meta` (JSON-serialisable) travel
+        in the same file for other readers; they default to this instance's `extra_arrays` / `extra_meta`
+        (what `load` found), so an artifact saved again keeps them."""
         path = Path(path)
+        arrays = self.model.arrays()
+        extra_arrays = self.extra_arrays if extra_arrays is None else extra_arrays
+        extra_meta = self.extra_meta if extra_meta is None else extra_meta
+        clash = sorted(set(extra_arrays) & (set(arrays) | {_META_KEY}))
+        if clash:
+            raise ValueError(f"extra arrays {clash} would overwrite the scheduler's own keys: give them a "
+                             "prefix such as 'value.'")
         meta = {"format_version": FORMAT_VERSION, "signal_names": list(SIGNAL_NAMES),
                 "subset": list(self.subset), "pair": list(self.info.pair),
                 "cost_profile": self.info.cost_profile, "split": self.info.split, "fit": self.info.fit,
-                "versions": versions()}
+                "versions": versions(), "extra": dict(extra_meta)}
         buf = io.BytesIO()
-        np.savez(buf, **self.model.arrays(), **{_META_KEY: np.array(json.dumps(meta))})
+        np.savez(buf, **arrays, **extra_arrays, **{_META_KEY: np.array(json.dumps(meta))})
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
@@ -184,7 +201,8 @@ class LearnedScheduler:
     @classmethod
     def load(cls, path: str | Path, expect_pair: tuple[str, str] | None = None) -> "LearnedScheduler":
         """Read an artifact written by `save`; refuse (SchedulerArtifactError) one that does not fit this
-        package or, when `expect_pair` = (target id, middle id) is given, another model pair."""
+        package or, when `expect_pair` = (target id, middle id) is given, another model pair. Arrays and
+        metadata beyond the scheduler's are kept, unchecked, as `extra_arrays` and `extra_meta`."""
         path = Path(path)
         arrays, meta = _read(path)
         where = f"scheduler artifact {str(path)!r}"
@@ -220,9 +238,15 @@ class LearnedScheduler:
             raise SchedulerArtifactError(
                 f"{where} was fitted for target/middle pair {pair}, not {tuple(expect_pair)}: use the "
                 "artifact fitted for this pair, or collect trajectories and fit one for it")
+        extra_meta = meta.get("extra", {})
+        if not isinstance(extra_meta, dict):
+            raise SchedulerArtifactError(f"{where} records extra metadata {extra_meta!r}, not a JSON object: "
+                                         "the file was not written by LearnedScheduler.save; write it again")
         info = SchedulerInfo(pair, meta.get("cost_profile", {}), meta.get("split", {}), meta.get("fit", {}))
-        model = SchedulerMLP.from_arrays(arrays, subset)
-        return cls(model, info)
+        scheduler = cls(SchedulerMLP.from_arrays(arrays, subset), info)
+        scheduler.extra_arrays = {k: v for k, v in arrays.items() if k not in expected}
+        scheduler.extra_meta = extra_meta
+        return scheduler
 
 
 def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP, subset_mask
+from .scheduler import LearnedScheduler, SchedulerArtifactError, SchedulerInfo, SchedulerMLP, subset_mask
 from .signals import MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES
 
 D = MAX_LAYERS
@@ -202,19 +203,33 @@ class ValueHeads:
     def __post_init__(self):
         self.mask = subset_mask(self.subset)
 
+    @classmethod
+    def untrained(cls, subset, mean: np.ndarray, std: np.ndarray, hidden: int = 64) -> "ValueHeads":
+        """Freshly initialised nets (from torch's global RNG), targets left unscaled: mean [17], std [17]."""
+        nets = {h: _mlp(NUM_SIGNALS + SUFFIX_WIDTH, hidden).eval() for h in HEADS}
+        return cls(tuple(subset), mean, std, nets, {h: (0.0, 1.0) for h in HEADS})
+
+    @property
+    def hidden(self) -> int:
+        return self.nets[HEADS[0]][0].out_features
+
+    def _standardise(self, signals: np.ndarray) -> np.ndarray:  # [..., 17] -> [..., 17] float32
+        return (np.asarray(signals, np.float32) - self.mean) / self.std * self.mask
+
     def _inputs(self, signals: np.ndarray, suffix: np.ndarray) -> torch.Tensor:
-        z = (np.asarray(signals, np.float32) - self.mean) / self.std * self.mask
-        return torch.from_numpy(np.concatenate([z, suffix], axis=-1).astype(np.float32))
+        return torch.from_numpy(np.concatenate([self._standardise(signals), suffix], axis=-1).astype(np.float32))
 
     @torch.no_grad()
-    def predict(self, signals: np.ndarray, suffix: np.ndarray) -> dict[str, np.ndarray]:
-        """signals: [n, 17], suffix: [n, 2D] -> HEADS -> [n] in target units (tokens, log ms)."""
-        x = self._inputs(signals, suffix)
+    def _forward(self, x: torch.Tensor) -> dict[str, np.ndarray]:  # x: [n, 17 + 2D] -> HEADS -> [n]
         out = {}
         for h in HEADS:
             mu, sd = self.target_norm[h]
             out[h] = self.nets[h](x).squeeze(-1).double().numpy() * sd + mu
         return out
+
+    def predict(self, signals: np.ndarray, suffix: np.ndarray) -> dict[str, np.ndarray]:
+        """signals: [n, 17], suffix: [n, 2D] -> HEADS -> [n] in target units (tokens, log ms)."""
+        return self._forward(self._inputs(signals, suffix))
 
     def margins(self, signals: np.ndarray) -> np.ndarray:
         """Exact margins under the heads: every suffix enumerated at every decision state.
@@ -222,8 +237,7 @@ class ValueHeads:
         signals: [R, 63, 17] (or [R, 31, 17]) -> [R, 31]."""
         r = len(signals)
         x = np.asarray(signals, np.float32)[:, QUERY_STATE].reshape(-1, NUM_SIGNALS)  # [R * 80, 17]
-        p = self.predict(x, np.tile(QUERY_SUFFIX, (r, 1)))
-        tps = np.stack([p[f"accepted_{a}"] / (np.exp(p[f"loglat_{a}"]) / 1e3) for a in ("skip", "call")])
+        tps = _tokens_per_s(self.predict(x, np.tile(QUERY_SUFFIX, (r, 1))))
         return _margins_from_queries(tps.reshape(2, r, NUM_QUERIES))
 
     def heldout_error(self, rounds: Rounds) -> dict[str, float]:
@@ -235,6 +249,12 @@ class ValueHeads:
             err[h] = mse / max(float(np.var(y)), 1e-12)
         err["mean"] = float(np.mean([err[h] for h in HEADS]))
         return err
+
+
+def _tokens_per_s(predicted: dict[str, np.ndarray]) -> np.ndarray:
+    """HEADS -> [n] predictions -> [2, n] predicted tokens/s under (skip, call)."""
+    return np.stack([predicted[f"accepted_{a}"] / (np.exp(predicted[f"loglat_{a}"]) / 1e3)
+                     for a in ("skip", "call")])
 
 
 def _examples(rounds: Rounds) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -346,3 +366,144 @@ def distil_scheduler(train: Rounds, heldout: Rounds, info: SchedulerInfo, seed: 
            "heldout_sign_agreement": float(np.mean((predicted > 0) == (oracle > 0)))}
     info = SchedulerInfo(info.pair, info.cost_profile, info.split, fit)
     return LearnedScheduler(model, info), choice
+
+
+# -- the value system online --------------------------------------------------------------------------
+
+_CALLS_FRAC = SIGNAL_NAMES.index("calls_frac")
+
+
+class ValuePlanner:
+    """The value system as the online planner, the negative result the learned scheduler replaces.
+
+    Before layer l it enumerates every suffix of the remaining D - l - 1 layers, predicts the accepted
+    length and latency of the schedule under skip and under call, and calls iff the best tokens/s after
+    calling beats the best after skipping: the sign of `ValueHeads.margins`, at 4 forwards of up to 16
+    rows per decision. Not thread-safe (the inputs are preallocated): use one instance per thread."""
+
+    name = "value-planner"
+    needs_signals = True
+    budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
+
+    def __init__(self, heads: ValueHeads, max_calls: int | None = None):
+        """`max_calls`: the per-round call budget; suffixes that would exceed it count as 0 tokens/s."""
+        self.heads = heads
+        self.max_calls = max_calls
+        self._rows: list[np.ndarray] = []  # per layer [2**(D-l-1), 17 + 2D]: state columns, then the suffix
+        for layer in range(D):
+            suffixes = QUERY_SUFFIX[QUERY_STATE == state_index((0,) * layer)]  # the same at every prefix
+            rows = np.zeros((len(suffixes), NUM_SIGNALS + SUFFIX_WIDTH), np.float32)
+            rows[:, NUM_SIGNALS:] = suffixes
+            self._rows.append(rows)
+        self._inputs = [torch.from_numpy(rows) for rows in self._rows]  # views of the same memory
+
+    def decide(self, signals: np.ndarray, layer: int) -> bool:  # signals: [17]
+        if not 0 <= layer < D:
+            raise ValueError(f"the value planner plans {D} drafting layers (0 .. {D - 1}), got layer {layer}: "
+                             f"run it with depth {D}")
+        self._rows[layer][:, :NUM_SIGNALS] = self.heads._standardise(signals)
+        tps = _tokens_per_s(self.heads._forward(self._inputs[layer]))  # [2, suffixes]: (skip, call)
+        if self.max_calls is not None:
+            done = int(round(float(signals[_CALLS_FRAC]) * D))
+            later = self._rows[layer][:, NUM_SIGNALS : NUM_SIGNALS + D].sum(1)
+            tps = tps * (done + np.arange(2)[:, None] + later[None, :] <= self.max_calls)
+        q = tps.max(axis=1)
+        return bool(q[1] > q[0])
+
+
+# -- the artifact: scheduler and value heads in one file ----------------------------------------------
+#
+# The value heads travel as extra arrays of LearnedScheduler.save:
+#   value.mean [17] float32, value.std [17] float32, value.target_norm [4, 2] float64 ((mean, std) per
+#   head, rows in HEADS order), value.<head>.<layer> (torch names: 0.weight [hidden, 17 + 2D], 0.bias,
+#   2.weight [hidden, hidden], 2.bias, 4.weight [1, hidden], 4.bias [1]) float32;
+# and as metadata {"value": {"subset": [...], "hidden": int, "heads": HEADS}}.
+
+def _value_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Artifact key -> shape of every value-head array."""
+    net = {"0.weight": (hidden, NUM_SIGNALS + SUFFIX_WIDTH), "0.bias": (hidden,), "2.weight": (hidden, hidden),
+           "2.bias": (hidden,), "4.weight": (1, hidden), "4.bias": (1,)}
+    shapes = {"value.mean": (NUM_SIGNALS,), "value.std": (NUM_SIGNALS,), "value.target_norm": (len(HEADS), 2)}
+    shapes.update({f"value.{h}.{name}": shape for h in HEADS for name, shape in net.items()})
+    return shapes
+
+
+def _heads_arrays(heads: ValueHeads) -> tuple[dict[str, np.ndarray], dict]:
+    if set(heads.nets) != set(HEADS) or set(heads.target_norm) != set(HEADS):
+        raise ValueError(f"value heads need a net and a target normalisation for each of {HEADS}, got nets "
+                         f"{sorted(heads.nets)} and target_norm {sorted(heads.target_norm)}: fit them with "
+                         "fit_value_heads")
+    hidden = heads.hidden
+    arrays = {"value.mean": np.asarray(heads.mean, np.float32), "value.std": np.asarray(heads.std, np.float32),
+              "value.target_norm": np.array([heads.target_norm[h] for h in HEADS], np.float64)}
+    for h in HEADS:
+        for name, tensor in heads.nets[h].state_dict().items():
+            arrays[f"value.{h}.{name}"] = tensor.detach().cpu().numpy().astype(np.float32)
+    expected = _value_shapes(hidden)
+    wrong = [f"{k} {arrays[k].shape if k in arrays else 'missing'} (expected {expected.get(k, 'no such array')})"
+             for k in sorted(set(expected) | set(arrays)) if k not in arrays or arrays[k].shape != expected.get(k)]
+    if wrong:
+        raise ValueError(f"value heads do not have the layout fit_value_heads builds "
+                         f"({NUM_SIGNALS + SUFFIX_WIDTH} -> {hidden} -> {hidden} -> 1 per head, mean and std "
+                         f"[{NUM_SIGNALS}]): {'; '.join(wrong)}")
+    return arrays, {"subset": list(heads.subset), "hidden": hidden, "heads": list(HEADS)}
+
+
+def _heads_from_artifact(arrays: dict[str, np.ndarray], meta: dict, where: str) -> ValueHeads | None:
+    """The value heads an artifact carries (None when it carries none); SchedulerArtifactError when damaged."""
+    value_meta = meta.get("value")
+    if value_meta is None and not any(k.startswith("value.") for k in arrays):
+        return None
+
+    def damaged(what: str) -> SchedulerArtifactError:
+        return SchedulerArtifactError(f"{where} has a damaged value-head part: {what}; write it again with "
+                                      "value.save_artifact, or refit the value heads")
+
+    if not isinstance(value_meta, dict):
+        raise damaged(f"value-head arrays but metadata {value_meta!r} instead of a JSON object")
+    subset, hidden = value_meta.get("subset"), value_meta.get("hidden")
+    if not isinstance(subset, list) or not subset or not set(subset) <= set(SIGNAL_NAMES):
+        raise damaged(f"the signal subset {subset!r} is not a non-empty subset of the {NUM_SIGNALS} signals")
+    if type(hidden) is not int or hidden < 1:
+        raise damaged(f"the hidden size {hidden!r} is not a positive integer")
+    if value_meta.get("heads") != list(HEADS):
+        raise damaged(f"the heads {value_meta.get('heads')!r} are not {list(HEADS)}")
+    expected = _value_shapes(hidden)
+    wrong = [f"{k} {arrays[k].shape if k in arrays else 'missing'} (expected {shape})"
+             for k, shape in expected.items() if k not in arrays or arrays[k].shape != shape]
+    wrong += [f"{k} holds {arrays[k].dtype}, not floats" for k in expected
+              if k in arrays and arrays[k].dtype.kind != "f"]
+    if wrong:
+        raise damaged(f"arrays missing, of the wrong shape or type for hidden size {hidden}: {'; '.join(wrong)}")
+    bad = [k for k in expected if not np.isfinite(arrays[k]).all()]
+    bad += ["value.std <= 0"] if (arrays["value.std"] <= 0).any() else []
+    bad += ["value.target_norm std <= 0"] if (arrays["value.target_norm"][:, 1] <= 0).any() else []
+    if bad:
+        raise damaged(f"non-finite or invalid values ({', '.join(bad)})")
+    with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: leave the global RNG be
+        heads = ValueHeads.untrained(subset, np.array(arrays["value.mean"], np.float32),
+                                     np.array(arrays["value.std"], np.float32), hidden)
+    for i, h in enumerate(HEADS):
+        heads.nets[h].load_state_dict({name: torch.from_numpy(np.array(arrays[f"value.{h}.{name}"], np.float32))
+                                       for name in heads.nets[h].state_dict()})
+        heads.target_norm[h] = (float(arrays["value.target_norm"][i, 0]), float(arrays["value.target_norm"][i, 1]))
+    return heads
+
+
+def save_artifact(path: str | Path, scheduler: LearnedScheduler, heads: ValueHeads | None) -> Path:
+    """Write the scheduler's artifact (atomically, as LearnedScheduler.save) with the value heads in the same
+    file; heads=None writes the scheduler alone."""
+    if heads is None:
+        return scheduler.save(path, extra_arrays={}, extra_meta={})
+    arrays, meta = _heads_arrays(heads)
+    return scheduler.save(path, extra_arrays=arrays, extra_meta={"value": meta})
+
+
+def load_artifact(path: str | Path, expect_pair: tuple[str, str] | None = None
+                  ) -> tuple[LearnedScheduler, ValueHeads | None]:
+    """Read an artifact: the scheduler (checked as LearnedScheduler.load checks it) and the value heads it
+    carries, or None. A damaged value-head part raises SchedulerArtifactError."""
+    path = Path(path)
+    scheduler = LearnedScheduler.load(path, expect_pair)
+    where = f"scheduler artifact {str(path)!r}"
+    return scheduler, _heads_from_artifact(scheduler.extra_arrays, scheduler.extra_meta, where)

@@ -1,0 +1,171 @@
+"""`treegraft fit`: collected trajectories -> value heads per signal subset -> exact margins -> the
+3,265-parameter scheduler, saved as one artifact.
+
+Steps (all on rounds priced at one verification budget):
+  budget     the recorded budget where the best schedule per round (the oracle) is fastest, unless given;
+  call cap   b0 = floor(T_tgt / T_mid) at that budget: schedules with more middle calls are out of reach
+             at run time, so they get 0 tokens/s in every max below;
+  split      by prompt, MT-Bench never present (it is not collected);
+  subsets    per candidate subset, the four value heads on the train prompts; each is scored on the
+             held-out prompts by its heads' error and by the speed of the schedules its margins imply
+             (follow margin > 0 from the first layer); the fastest wins, ties go to the lower error;
+  distil     exact margins of the chosen heads at every train decision state (all suffixes enumerated),
+             regressed by the online MLP from the state alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import value
+from .collect import CostModel, Trajectories
+from .scheduler import LearnedScheduler, SchedulerInfo
+from .value import (CANDIDATE_SUBSETS, NUM_DECISION_STATES, NUM_QUERIES, QUERY_SCHEDULE, QUERY_START, SCHEDULES,
+                    Rounds, ValueHeads, fit_scheduler, fit_value_heads, split_rounds)
+
+SPEED_TIE = 0.01  # subsets within 1% of the fastest count as tied; the lower held-out error wins
+
+
+def call_cap(cost: CostModel, budget: int) -> int:
+    t = cost.timings(budget)
+    return max(0, math.floor(t.t_tgt_ms / t.t_mid_ms))
+
+
+def feasible(max_calls: int | None) -> np.ndarray:  # [32] bool
+    calls = SCHEDULES.sum(1)
+    return np.ones(len(SCHEDULES), bool) if max_calls is None else calls <= max_calls
+
+
+def oracle_margins(rounds: Rounds, max_calls: int | None) -> np.ndarray:  # [R, 31]
+    return value.oracle_margins(rounds.accepted * feasible(max_calls), rounds.latency_ms)
+
+
+def head_margins(heads: ValueHeads, signals: np.ndarray, max_calls: int | None) -> np.ndarray:
+    """ValueHeads.margins with unreachable schedules at 0 tokens/s. signals: [R, 63 or 31, 17] -> [R, 31]."""
+    r = len(signals)
+    x = np.asarray(signals, np.float32)[:, value.QUERY_STATE].reshape(-1, signals.shape[-1])
+    p = heads.predict(x, np.tile(value.QUERY_SUFFIX, (r, 1)))
+    ok = feasible(max_calls)
+    tps = np.stack([(p[f"accepted_{a}"] / (np.exp(p[f"loglat_{a}"]) / 1e3)).reshape(r, NUM_QUERIES) * ok[QUERY_SCHEDULE[i]]
+                    for i, a in enumerate(("skip", "call"))])
+    q = np.maximum.reduceat(tps, QUERY_START, axis=-1)
+    return q[1] - q[0]
+
+
+def follow(margins: np.ndarray, max_calls: int | None) -> np.ndarray:
+    """[R, 31] margins -> [R] schedule index reached by calling iff margin > 0 (and calls remain)."""
+    out = np.zeros(len(margins), np.int64)
+    for r, m in enumerate(margins):
+        state, calls = 0, 0
+        while state < NUM_DECISION_STATES:
+            call = m[state] > 0 and (max_calls is None or calls < max_calls)
+            calls += call
+            state = 2 * state + 1 + int(call)
+        out[r] = state - NUM_DECISION_STATES
+    return out
+
+
+def speed(rounds: Rounds, schedules: np.ndarray) -> float:
+    """Tokens per second of decoding every round with its given schedule: total accepted / total time."""
+    idx = np.arange(len(rounds))
+    return float(rounds.accepted[idx, schedules].sum() / (rounds.latency_ms[idx, schedules].sum() / 1e3))
+
+
+def oracle_schedules(rounds: Rounds, max_calls: int | None) -> np.ndarray:
+    tps = rounds.tokens_per_s() * feasible(max_calls)
+    return np.argmax(tps, axis=1)
+
+
+def choose_budget(traj: Trajectories) -> int:
+    """The recorded budget where the (capped) oracle decodes fastest."""
+    rates = {}
+    for b in traj.budgets:
+        rounds = traj.rounds(b)
+        rates[b] = speed(rounds, oracle_schedules(rounds, call_cap(traj.cost, b)))
+    return max(rates, key=lambda b: (rates[b], -b))
+
+
+@dataclass
+class FitReport:
+    budget: int
+    call_cap: int
+    subset: str
+    train_rounds: int
+    heldout_rounds: int
+    candidates: dict[str, dict]  # name -> {"error": mean held-out error, "speed": implied tok/s, heads errors}
+    heldout_speed: dict[str, float]  # policy -> tokens/s on the held-out rounds under the cost model
+    sign_agreement: float  # held-out: scheduler decision == oracle-margin sign
+
+    def table(self) -> str:
+        lines = [f"budget {self.budget}, call cap b0 = {self.call_cap}; {self.train_rounds} train rounds, "
+                 f"{self.heldout_rounds} held-out rounds", "",
+                 "| signal subset | held-out error (value heads) | implied held-out tok/s | chosen |",
+                 "|---|---|---|---|"]
+        for name, c in self.candidates.items():
+            lines.append(f"| {name} | {c['error']:.3f} | {c['speed']:.2f} | {'yes' if name == self.subset else ''} |")
+        lines += ["", "| policy (held-out rounds, cost model) | tok/s | vs oracle |", "|---|---|---|"]
+        top = self.heldout_speed["oracle"]
+        for name, v in self.heldout_speed.items():
+            lines.append(f"| {name} | {v:.2f} | {v / top:.1%} |")
+        lines.append(f"\nscheduler decisions agreeing with the oracle margin's sign (held-out states): "
+                     f"{self.sign_agreement:.1%}")
+        return "\n".join(lines)
+
+
+def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_fraction: float = 0.25,
+        seed: int = 0, candidates: dict[str, tuple[str, ...]] = CANDIDATE_SUBSETS, value_fit: dict | None = None,
+        scheduler_fit: dict | None = None, log=print) -> tuple[LearnedScheduler, ValueHeads, FitReport]:
+    budget = choose_budget(traj) if budget is None else budget
+    cap = call_cap(traj.cost, budget)
+    rounds = traj.rounds(budget)
+    train, held = split_rounds(rounds, heldout_fraction, seed)
+    if not len(train) or not len(held):
+        raise ValueError(f"the split left {len(train)} train and {len(held)} held-out rounds: collect more "
+                         f"prompts (there are {len(np.unique(rounds.prompt_ids))}) or change --heldout-fraction")
+    log(f"budget {budget}, call cap {cap}: fitting value heads on {len(train)} rounds, "
+        f"{len(candidates)} signal subsets")
+    heads_by, scored = {}, {}
+    for name, subset in candidates.items():
+        heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
+        err = heads.heldout_error(held)
+        implied = speed(held, follow(head_margins(heads, held.signals, cap), cap))
+        heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
+        log(f"  {name}: held-out error {err['mean']:.3f}, implied {implied:.2f} tok/s")
+    fastest = max(s["speed"] for s in scored.values())
+    best = min((n for n in candidates if scored[n]["speed"] >= (1 - SPEED_TIE) * fastest),
+               key=lambda n: scored[n]["error"])
+    heads = heads_by[best]
+    margins = head_margins(heads, train.signals, cap).reshape(-1)
+    model = fit_scheduler(train.decision_signals(), margins, candidates[best], seed, **(scheduler_fit or {}))
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(held.decision_signals())).numpy().reshape(len(held), -1)
+    oracle_m = oracle_margins(held, cap)
+    agreement = float(np.mean((predicted > 0) == (oracle_m > 0)))
+    held_speed = {
+        "oracle": speed(held, oracle_schedules(held, cap)),
+        "scheduler (distilled)": speed(held, follow(predicted, cap)),
+        "value planner": scored[best]["speed"],
+        "all-small": speed(held, np.zeros(len(held), np.int64)),
+        "all-mid": speed(held, np.full(len(held), len(SCHEDULES) - 1)),
+    }
+    report = FitReport(budget, cap, best, len(train), len(held), scored, held_speed, agreement)
+    info = SchedulerInfo(
+        tuple(traj.manifest["pair"]),
+        {**traj.manifest["cost_model"], "budget": budget, "call_cap": cap},
+        {"train": sorted(set(train.prompt_ids.tolist())), "heldout": sorted(set(held.prompt_ids.tolist())),
+         "benchmarks": sorted(set(rounds.benchmarks.tolist())), "held_out_benchmarks": ["mt_bench"],
+         "seed": seed, "heldout_fraction": heldout_fraction},
+        {"subset": best, "candidates": {n: {"error": s["error"], "speed": s["speed"]} for n, s in scored.items()},
+         "heldout_speed": held_speed, "sign_agreement": agreement,
+         "tree": traj.manifest["tree"], "max_new_tokens": traj.manifest["max_new_tokens"]},
+    )
+    scheduler = LearnedScheduler(model, info)
+    value.save_artifact(out, scheduler, heads)
+    return scheduler, heads, report
+
+
