@@ -117,3 +117,62 @@ def test_benchmarks_ship_with_the_package_and_validate(tmp_path):
     bad.write_text('{"question_id": 1, "turns": "not a list"}\n')
     with pytest.raises(BenchmarkError, match="bad.jsonl:1"):
         load_questions(bad)
+
+
+@pytest.fixture(scope="module")
+def artifact(pair, tmp_path_factory):
+    """A scheduler fitted on rounds collected from the tiny pair (pair names: tiny-target, tiny-middle)."""
+    import pyarrow as pa
+
+    from treegraft_dist.benchmarks import chat_prompt
+    from treegraft_dist.collect import Collector, CostModel, Trajectories, records_table
+    from treegraft_dist.config import TreeConfig
+    from treegraft_dist.fit import fit
+
+    target, middle = pair
+    cost = CostModel("test", 0.2, 0.1, {1: 3.0, 16: 4.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
+    cfg = TreeConfig(budget=16)
+    collector = Collector(target.lm, middle.lm, cfg, cost, (4, 16))
+    tables = []
+    for bench in ("gsm8k", "humaneval", "qa"):
+        for q in builtin(bench)[20:22]:
+            ids = chat_prompt(target.tokenizer, [q.turns[0]], [])[-60:]
+            tables.append(records_table(collector.rounds(ids, 12), bench, q.question_id, len(ids), (4, 16), cost))
+    manifest = {"pair": ["tiny-target", "tiny-middle"], "cost_model": cost.to_dict(), "budgets": [4, 16],
+                "tree": cfg.to_dict(), "max_new_tokens": 12}
+    path = tmp_path_factory.mktemp("sched") / "tiny.npz"
+    fit(Trajectories(manifest, pa.concat_tables(tables)), path, heldout_fraction=0.34, value_fit={"epochs": 5},
+        scheduler_fit={"epochs": 5}, log=lambda *a: None)
+    return path
+
+
+def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifact, tmp_path):
+    from treegraft_dist.value import load_artifact
+
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["gsm8k", "mt_bench"], methods=["all-small", "treegraft", "value-planner", "oracle"],
+                     prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "out", budget="auto",
+                     cache_dir=tmp_path / "cache", scheduler=artifact, pair=("tiny-target", "tiny-middle"))
+    ev = Evaluation(target, middle, cfg)
+    summary = ev.run()
+    assert summary.mismatches == []
+    budget = load_artifact(artifact)[0].info.cost_profile["budget"]
+    assert all(ev.budgets[m] == budget for m in ("treegraft", "value-planner", "oracle"))
+    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert all(r["lossless"] for r in rows) and len(rows) == 2 * 5
+    groups = {r["benchmark"] for r in summary.rows}
+    assert {"(held-in)", "(held-out)", "(mean)"} <= groups
+    assert "held-out mean" in summary.table()
+
+
+def test_artifact_methods_refuse_a_missing_or_foreign_artifact(pair, artifact, tmp_path):
+    target, middle = pair
+    base = dict(benchmarks=["gsm8k"], prompts_per_benchmark=1, max_new_tokens=4, out=tmp_path / "o")
+    with pytest.raises(ValueError, match="need a scheduler artifact"):
+        Evaluation(target, middle, EvalConfig(methods=["oracle"], pair=("a", "b"), **base))
+    with pytest.raises(ValueError, match="fitted for target/middle pair"):
+        Evaluation(target, middle, EvalConfig(methods=["treegraft"], scheduler=artifact, pair=("a", "b"), **base))
+    # treegraft alone without an artifact for the pair falls back to the documented heuristic.
+    said = []
+    ev = Evaluation(target, middle, EvalConfig(methods=["treegraft"], pair=("a", "b"), **base), log=said.append)
+    assert ev.scheduler is None and "heuristic" in said[0]

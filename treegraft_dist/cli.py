@@ -141,7 +141,8 @@ def cmd_eval(args) -> int:
     cfg = EvalConfig(benchmarks=[b for b in args.benchmarks.split(",") if b], benchmark_files=args.benchmark_file,
                      methods=[m for m in args.methods.split(",") if m], prompts_per_benchmark=args.prompts_per_benchmark,
                      max_new_tokens=args.max_new_tokens, out=Path(args.out), multi_turn=args.multi_turn, budget=budget,
-                     cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+                     cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                     scheduler=Path(args.scheduler) if args.scheduler else None, pair=(args.target, args.middle))
     for b in cfg.benchmarks:
         builtin(b)  # unknown names fail before any model is loaded
     target, middle = load_pair(args, need_middle=True)
@@ -187,6 +188,21 @@ def cmd_collect(args) -> int:
     return 0
 
 
+def cmd_fit(args) -> int:
+    from .collect import read_trajectories
+    from .fit import fit
+
+    budget = None if args.budget == "auto" else _int_arg("--budget", args.budget)
+    if not 0 < args.heldout_fraction < 1:
+        raise UsageError(f"--heldout-fraction must be between 0 and 1, got {args.heldout_fraction}")
+    traj = read_trajectories(args.data)
+    _, _, report = fit(traj, args.out, budget, args.heldout_fraction, args.seed,
+                       log=lambda m: print(m, file=sys.stderr))
+    print(report.table())
+    print(f"\nartifact: {args.out}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     target, middle = prepare_default_models(args.cache_dir, progress=True)
     print(f"target: {target}\nmiddle: {middle}")
@@ -218,13 +234,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_args(e)
     e.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated (default: %(default)s); '' for none")
     e.add_argument("--benchmark-file", action="append", default=[], help="extra JSONL file (question_id, category, turns); repeatable")
-    e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s) or 5-bit patterns")
+    e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s; also value-planner, oracle) or 5-bit patterns")
     e.add_argument("--prompts-per-benchmark", type=int, default=2)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--budget", default="auto", help="nodes verified per round, or 'auto' to fit the device (default)")
     e.add_argument("--multi-turn", action="store_true", help="all turns (later turns carry the reference answers)")
+    e.add_argument("--scheduler", default=None, metavar="PATH",
+                   help="scheduler artifact (treegraft fit) for treegraft, value-planner and oracle (default: the "
+                        "one shipped for the embedded pair)")
     e.add_argument("--out", default="out/eval")
     e.set_defaults(func=cmd_eval)
+
+    f = sub.add_parser("fit", help="fit the value heads and distil the scheduler from collected trajectories")
+    f.add_argument("--data", required=True, help="a `treegraft collect` output folder")
+    f.add_argument("--out", required=True, help="artifact file to write (.npz)")
+    f.add_argument("--budget", default="auto", help="recorded tree budget to fit for, or 'auto' (default)")
+    f.add_argument("--heldout-fraction", type=float, default=0.25, help="share of prompts held out (default %(default)s)")
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(func=cmd_fit)
 
     c = sub.add_parser("collect", help="scheduler trajectories: every round under all 32 schedules (Ray Data)")
     _add_model_args(c)

@@ -250,8 +250,10 @@ class Collector:
     """Trajectories of whole prompts on one model pair."""
 
     def __init__(self, target: CausalLM, middle: CausalLM, cfg: TreeConfig, cost: CostModel,
-                 budgets: tuple[int, ...] | None = None):
+                 budgets: tuple[int, ...] | None = None, max_calls: int | None = None):
+        """`max_calls`: schedules with more middle calls do not advance the reference (a call budget)."""
         self.target, self.middle, self.cfg, self.cost = target, middle, cfg, cost
+        self.max_calls = max_calls
         self.budgets = tuple(sorted(budgets or cost.verify_ms))
         if not self.budgets or min(self.budgets) < 1:
             raise ValueError(f"budgets must be sizes >= 1, got {self.budgets}")
@@ -277,6 +279,8 @@ class Collector:
             rec.position = pos
             lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:])[0]
             rate = rec.accepted[-1] / lat
+            if self.max_calls is not None:
+                rate = rate * (SCHEDULES.sum(1) <= self.max_calls)
             rec.behaviour = int(np.flatnonzero(rate == rate.max())[0])
             out.append(rec)
             step = int(rec.accepted[-1, rec.behaviour])

@@ -32,11 +32,20 @@ from .engine import AR_METHOD, Decoder, Generation
 from .models import LoadedModel
 from .peers import PEER_METHODS, run_peer
 from .prepare import cache_root
-from .schedule import NAMED_SCHEDULES, ShallowTreeHeuristic
+from .collect import HELD_OUT_BENCHMARKS, Collector, CostModel
+from .schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from .scheduler import default_artifact
+from .value import SCHEDULES, ValuePlanner, load_artifact
 
 TREEGRAFT = "treegraft"
+VALUE_PLANNER = "value-planner"
+ORACLE = "oracle"
 OUR_FIXED = tuple(NAMED_SCHEDULES)
 DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
+# Methods read from a scheduler artifact; value-planner and oracle are for studying the scheduler (the
+# oracle enumerates all 32 schedules of every round before its timed decode), so not in the default list.
+ARTIFACT_METHODS = (TREEGRAFT, VALUE_PLANNER, ORACLE)
+ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 12  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
 
@@ -52,6 +61,8 @@ class EvalConfig:
     multi_turn: bool = False
     budget: int | str = 64  # or "auto"
     cache_dir: Path | None = None
+    scheduler: Path | None = None  # artifact for treegraft / value-planner / oracle (default: the packaged one)
+    pair: tuple[str, str] | None = None  # (target, middle) as named on the command line: selects the artifact
 
     def __post_init__(self):
         if self.prompts_per_benchmark < 1:
@@ -64,12 +75,12 @@ class EvalConfig:
             self.methods = [AR_METHOD] + list(self.methods)  # the reference every output is checked against
         for m in self.methods:
             if not is_method(m):
-                raise ValueError(f"unknown method {m!r}: use {', '.join(DEFAULT_METHODS)} or a 5-bit pattern such "
+                raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  "as 01001")
 
 
 def is_method(m: str) -> bool:
-    return m in DEFAULT_METHODS or bool(re.fullmatch(r"[01]+", m))
+    return m in ALL_METHODS or bool(re.fullmatch(r"[01]+", m))
 
 
 def is_ours(m: str) -> bool:
@@ -110,6 +121,29 @@ class Evaluation:
         self.eos = target.eos_ids
         self.budgets: dict[str, int] = {}
         self.rows: list[dict] = []
+        self.scheduler, self.heads = self._load_scheduler()
+
+    def _load_scheduler(self):
+        """(LearnedScheduler, ValueHeads or None) for the artifact methods, or (None, None) when none is
+        needed or, for treegraft alone, none exists for this pair (then the documented heuristic runs)."""
+        wanted = [m for m in self.cfg.methods if m in ARTIFACT_METHODS]
+        if not wanted:
+            return None, None
+        path = self.cfg.scheduler or default_artifact(self.cfg.pair)
+        if path is None:
+            if wanted != [TREEGRAFT]:
+                raise ValueError(f"{', '.join(m for m in wanted if m != TREEGRAFT)} need a scheduler artifact and "
+                                 f"none ships for {self.cfg.pair}: fit one (`treegraft collect`, `treegraft fit`) "
+                                 "and pass --scheduler PATH")
+            self.log(f"no scheduler artifact for {self.cfg.pair}: treegraft runs the shallow-tree heuristic "
+                     "(fit one with `treegraft collect` and `treegraft fit`, then pass --scheduler)")
+            return None, None
+        scheduler, heads = load_artifact(path, expect_pair=self.cfg.pair)
+        if VALUE_PLANNER in wanted and heads is None:
+            raise ValueError(f"{path} holds no value heads, which value-planner needs: refit it with `treegraft fit`")
+        self.log(f"scheduler: {path} (signals: {', '.join(scheduler.subset)}; fitted at budget "
+                 f"{scheduler.info.cost_profile.get('budget')})")
+        return scheduler, heads
 
     # -- methods --------------------------------------------------------------------------------------
     def _decoder(self, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
@@ -121,8 +155,32 @@ class Evaluation:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
         decoder = self.engine if self.engine is not None else self._decoder(budget, probes)
-        policy = ShallowTreeHeuristic() if method == TREEGRAFT else method
+        if method == ORACLE:
+            return self._oracle(decoder, budget)
+        if method == VALUE_PLANNER:
+            return lambda ids, n: decoder.generate(ids, n, ValuePlanner(self.heads, self._call_cap()), self.eos)
+        if method == TREEGRAFT:
+            policy = self.scheduler or ShallowTreeHeuristic()
+        else:
+            policy = method
         return lambda ids, n: decoder.generate(ids, n, policy, self.eos)
+
+    def _call_cap(self) -> int | None:
+        return self.scheduler.info.cost_profile.get("call_cap") if self.scheduler else None
+
+    def _oracle(self, decoder, budget: int) -> Callable[[list[int], int], Generation]:
+        """Best schedule of every round in hindsight: an untimed pass enumerates all 32 schedules per round
+        along the target's greedy decode (under the artifact's cost model and call cap), then the timed
+        decode replays the chosen ones."""
+        cost = CostModel.from_dict(self.scheduler.info.cost_profile)
+        collector = Collector(self.target.lm, self.middle.lm, TreeConfig(budget=budget), cost, (budget,),
+                              self._call_cap())
+
+        def run(ids: list[int], n: int) -> Generation:
+            patterns = ["".join(map(str, SCHEDULES[r.behaviour])) for r in collector.rounds(ids, n, self.eos)]
+            return decoder.generate(ids, n, ReplaySchedule(patterns, ORACLE), self.eos)
+
+        return run
 
     def warm_up(self, prompts: list[list[int]]) -> dict[str, Callable]:
         """Untimed requests per method; with --budget auto they also pick each method's budget from the
@@ -135,7 +193,11 @@ class Evaluation:
                      + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
             probes = tuple(profile)  # the sizes worth measuring on this device
         for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
-            if auto and method not in PEER_METHODS and method != AR_METHOD:
+            if auto and method in ARTIFACT_METHODS and self.scheduler is not None:
+                # The scheduler was fitted for one budget: its decisions assume that tree size.
+                self.budgets[method] = int(self.scheduler.info.cost_profile["budget"])
+                self.runner(method, self.budgets[method])(prompts[0], 8)
+            elif auto and method not in PEER_METHODS and method != AR_METHOD:
                 accepted_at, draft_s, rounds = {}, 0.0, 0
                 for ids in prompts:
                     s = self.runner(method, max(probes), probes)(ids, WARMUP_TOKENS).stats
@@ -236,15 +298,18 @@ class Summary:
     mismatches: list = field(default_factory=list)
 
     def table(self) -> str:
-        head = "| method | " + " | ".join(self.benchmarks) + " | mean speedup | accepted/round | tok/s | mid calls/round | lossless |"
-        sep = "|" + "---|" * (len(self.benchmarks) + 6)
+        split = [g for g in ("(held-in)", "(held-out)") if any(r["benchmark"] == g for r in self.rows)]
+        head = ("| method | " + " | ".join(self.benchmarks) + " | mean speedup | "
+                + "".join(f"{g[1:-1]} mean | " for g in split) + "accepted/round | tok/s | mid calls/round | lossless |")
+        sep = "|" + "---|" * (len(self.benchmarks) + 6 + len(split))
         lines = [head, sep]
         for m in self.methods:
             per = {r["benchmark"]: r for r in self.rows if r["method"] == m}
             mean = per["(mean)"]
             cells = [f"{per[b]['speedup']:.2f}x" for b in self.benchmarks]
+            cells += [f"{mean['speedup']:.2f}x"] + [f"{per[g]['speedup']:.2f}x" for g in split]
             acc = "-" if mean["mean_accepted"] != mean["mean_accepted"] else f"{mean['mean_accepted']:.2f}"
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {mean['speedup']:.2f}x | {acc} | "
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {acc} | "
                          f"{mean['tokens_per_s']:.2f} | {mean['middle_calls_per_round']:.2f} | "
                          f"{mean['lossless_prompts']} |")
         return "\n".join(lines)
@@ -280,15 +345,24 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
                    "lossless_prompts": f"{sum(r['lossless'] for r in sub)}/{len(sub)}"}
             per_bench.append(row)
             rows.append(row)
-        n_lossless = sum(int(r["lossless_prompts"].split("/")[0]) for r in per_bench)
-        n_prompts = sum(r["prompts"] for r in per_bench)
-        rows.append({"method": m, "benchmark": "(mean)", "prompts": n_prompts,
-                     "speedup": sum(r["speedup"] for r in per_bench) / len(per_bench),
-                     "mean_accepted": _nanmean([r["mean_accepted"] for r in per_bench]),
-                     "tokens_per_s": sum(r["tokens_per_s"] for r in per_bench) / len(per_bench),
-                     "middle_calls_per_round": sum(r["middle_calls_per_round"] for r in per_bench) / len(per_bench),
-                     "lossless_prompts": f"{n_lossless}/{n_prompts}"})
+        rows.append(_mean_row(m, "(mean)", per_bench))
+        held_out = [r for r in per_bench if r["benchmark"] in HELD_OUT_BENCHMARKS]
+        if held_out and len(held_out) < len(per_bench):
+            # The scheduler never saw these benchmarks (nor any evaluated prompt): report them apart.
+            rows.append(_mean_row(m, "(held-in)", [r for r in per_bench if r not in held_out]))
+            rows.append(_mean_row(m, "(held-out)", held_out))
     return Summary(rows, methods, benches)
+
+
+def _mean_row(method: str, name: str, per_bench: list[dict]) -> dict:
+    n_lossless = sum(int(r["lossless_prompts"].split("/")[0]) for r in per_bench)
+    n = len(per_bench)
+    return {"method": method, "benchmark": name, "prompts": sum(r["prompts"] for r in per_bench),
+            "speedup": sum(r["speedup"] for r in per_bench) / n,
+            "mean_accepted": _nanmean([r["mean_accepted"] for r in per_bench]),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in per_bench) / n,
+            "middle_calls_per_round": sum(r["middle_calls_per_round"] for r in per_bench) / n,
+            "lossless_prompts": f"{n_lossless}/{sum(r['prompts'] for r in per_bench)}"}
 
 
 def _nanmean(xs: list[float]) -> float:

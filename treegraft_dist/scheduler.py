@@ -41,6 +41,21 @@ _TORCH_NAMES = {"w1": "0.weight", "b1": "0.bias", "w2": "2.weight", "b2": "2.bia
 _META_KEY = "meta_json"
 
 
+# The artifact that ships for the embedded default pair, and how to rebuild it: `make scheduler`, i.e.
+#   treegraft collect --out out/trajectories && treegraft fit --data out/trajectories --out <this file>
+DATA_DIR = Path(__file__).parent / "data" / "scheduler"
+DEFAULT_ARTIFACTS = {
+    ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):
+        DATA_DIR / "qwen2.5-coder-1.5b+0.5b-instruct.npz",
+}
+
+
+def default_artifact(pair: tuple[str, str] | None) -> Path | None:
+    """The packaged artifact for this (target, middle) pair, if one ships."""
+    path = DEFAULT_ARTIFACTS.get(tuple(pair)) if pair else None
+    return path if path is not None and path.is_file() else None
+
+
 class SchedulerArtifactError(ValueError):
     """A scheduler artifact that cannot be used here; the message says what is wrong and what to do."""
 

@@ -39,6 +39,7 @@ NUM_DECISION_STATES = 2**D - 1  # 31
 NUM_STATES = 2 ** (D + 1) - 1  # 63
 SUFFIX_WIDTH = 2 * D  # future bits + future mask
 _STD_FLOOR = 1e-6  # a signal constant over the training states is left unscaled
+PREDICTION_RANGE = 6.0  # value-head outputs are kept within this many target std of the training mean
 
 # [32, 5] int8: bit l of schedule s
 SCHEDULES = np.array(list(itertools.product((0, 1), repeat=D)), np.int8)
@@ -224,7 +225,10 @@ class ValueHeads:
         out = {}
         for h in HEADS:
             mu, sd = self.target_norm[h]
-            out[h] = self.nets[h](x).squeeze(-1).double().numpy() * sd + mu
+            # Far outside the training states a head extrapolates without bound; keep its prediction
+            # within PREDICTION_RANGE standard deviations of what it was fitted on (and latency finite).
+            out[h] = np.clip(self.nets[h](x).squeeze(-1).double().numpy() * sd + mu,
+                             mu - PREDICTION_RANGE * sd, mu + PREDICTION_RANGE * sd)
         return out
 
     def predict(self, signals: np.ndarray, suffix: np.ndarray) -> dict[str, np.ndarray]:
