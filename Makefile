@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup eval test test-fast test-realmodel
+.PHONY: setup eval scheduler test test-fast test-realmodel
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ EVAL_METHODS ?= ar,all-small,treegraft,hf-assisted,hf-pld
 eval: $(STAMP)
 	$(VENV)/bin/treegraft eval --device cpu --prompts-per-benchmark 1 --max-new-tokens 64 \
 		--methods $(EVAL_METHODS) --out out/eval
+
+# Rebuild the scheduler artifact that ships for the embedded pair: trajectories (Ray Data, resumable;
+# about an hour on 2 cores), then the value heads and the distilled MLP (a minute).
+SCHEDULER_ARTIFACT := treegraft_dist/data/scheduler/qwen2.5-coder-1.5b+0.5b-instruct.npz
+scheduler: $(STAMP)
+	$(VENV)/bin/treegraft collect --device cpu --prompts-per-benchmark 4 --max-new-tokens 32 --out out/trajectories
+	$(VENV)/bin/treegraft fit --data out/trajectories --out $(SCHEDULER_ARTIFACT)
 
 # Fast suite, then the real-model smoke test (prepares the embedded pair on first use).
 test: $(STAMP)

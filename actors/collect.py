@@ -14,6 +14,7 @@ loses at most the prompts in flight and never duplicates one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from treegraft_dist.collect import (HELD_OUT_BENCHMARKS, MANIFEST, ROUNDS_DIR, S
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.models import load_model, load_tokenizer
 
+LOCAL_OBJECT_STORE = 512 * 1024**2
 COLLECT_BENCHMARKS = tuple(b for b in BENCHMARKS if b not in HELD_OUT_BENCHMARKS)
 
 
@@ -134,13 +136,17 @@ class CollectReport:
 
 
 def prompts_for(cfg: CollectConfig) -> list[dict]:
+    """The selected questions, benchmarks interleaved (a run stopped early still covers every benchmark)."""
     tokenizer = load_tokenizer(cfg.target)
+    per_bench = [builtin(b)[cfg.first_question : cfg.first_question + cfg.prompts_per_benchmark]
+                 for b in cfg.benchmarks]
     out = []
-    for bench in cfg.benchmarks:
-        questions = builtin(bench)[cfg.first_question : cfg.first_question + cfg.prompts_per_benchmark]
-        for q in questions:
-            out.append({"benchmark": bench, "prompt_id": q.question_id,
-                        "ids": chat_prompt(tokenizer, [q.turns[0]], [])})
+    for i in range(cfg.prompts_per_benchmark):
+        for bench, questions in zip(cfg.benchmarks, per_bench):
+            if i < len(questions):
+                q = questions[i]
+                out.append({"benchmark": bench, "prompt_id": q.question_id,
+                            "ids": chat_prompt(tokenizer, [q.turns[0]], [])})
     if not out:
         raise ValueError(f"no questions from number {cfg.first_question} on in {', '.join(cfg.benchmarks)}: lower "
                          "--first-question")
@@ -158,7 +164,7 @@ def _manifest(cfg: CollectConfig, worker_cfg: dict, context: list[int], remote_o
                              f"{manifest.get('schema_version')}); resume with the same ones or pass a new --out")
         return manifest
     # max_calls=1: the worker process exits afterwards and gives back the memory of both models.
-    cost = ray.get(ray.remote(_measure).options(max_calls=1, **remote_opts).remote(worker_cfg, context))
+    cost = ray.get(ray.remote(max_calls=1)(_measure).options(**remote_opts).remote(worker_cfg, context))
     budgets = sorted(int(b) for b in cost["verify_ms"] if int(b) <= cfg.tree.budget)
     manifest = {"schema_version": SCHEMA_VERSION, **cfg.settings(), "cost_model": cost, "budgets": budgets,
                 "benchmarks": list(cfg.benchmarks), "held_out": list(HELD_OUT_BENCHMARKS),
@@ -178,8 +184,10 @@ def collect(cfg: CollectConfig, address: str | None = None) -> CollectReport:
     prompts = prompts_for(cfg)
     owns = not ray.is_initialized()
     if owns:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 **({} if address else {"num_cpus": max(os.cpu_count() or 1, int(cfg.actors * cfg.cpus_per_actor))}))
+        # Only token ids and small status rows travel through the object store: keep it small locally.
+        local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(cfg.actors * cfg.cpus_per_actor)),
+                 "object_store_memory": LOCAL_OBJECT_STORE}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else local))
     try:
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.actors)
         worker_cfg = {"target": cfg.target, "middle": cfg.middle, "device": cfg.device, "dtype": cfg.dtype,

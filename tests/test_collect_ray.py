@@ -79,3 +79,27 @@ def test_collect_refuses_mt_bench_and_other_settings_on_resume(cluster, pair, tm
     (out / MANIFEST).write_text('{"schema_version": 1, "pair": ["a", "b"], "tree": {}, "max_new_tokens": 10}')
     assert run(pair, out) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_collect_fit_generate_from_the_command_line(cluster, pair, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "traj"
+    assert run(pair, out) == 0
+    art = tmp_path / "sched.npz"
+    assert main(["fit", "--data", str(out), "--out", str(art), "--heldout-fraction", "0.5"]) == 0
+    report = capsys.readouterr().out
+    assert "| oracle |" in report and "chosen" in report and art.is_file()
+    common = ["generate", "--target", pair[0], "--middle", pair[1], "--device", "cpu", "--prompt", "def f(x):",
+              "--max-new-tokens", "12", "--json", "--budget", "16"]
+    assert main(common + ["--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(common + ["--method", "treegraft", "--scheduler", str(art)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == ar
+    # The artifact belongs to this pair: with the roles swapped it is refused.
+    swapped = ["generate", "--target", pair[1], "--middle", pair[0], "--prompt", "x", "--method", "treegraft",
+               "--scheduler", str(art)]
+    assert main(swapped) == 2
+    assert "fitted for target/middle pair" in capsys.readouterr().err
+    assert main(["fit", "--data", str(tmp_path / "nothing"), "--out", str(art)]) == 2
+    assert "not a `treegraft collect` output folder" in capsys.readouterr().err

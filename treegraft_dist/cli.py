@@ -94,6 +94,19 @@ def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cf
                              args.dtype)
 
 
+def treegraft_policy(args):
+    """The learned scheduler for this pair (--scheduler, or the artifact shipped for it), else the heuristic."""
+    from .schedule import ShallowTreeHeuristic
+    from .scheduler import LearnedScheduler, default_artifact
+
+    path = args.scheduler or default_artifact((args.target, args.middle))
+    if path is None:
+        print("treegraft: no scheduler artifact for this pair, running the shallow-tree heuristic "
+              "(see `treegraft fit`)", file=sys.stderr)
+        return ShallowTreeHeuristic()
+    return LearnedScheduler.load(path, expect_pair=(args.target, args.middle))
+
+
 def cmd_generate(args) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -101,8 +114,11 @@ def cmd_generate(args) -> int:
         raise UsageError("--prompt is empty: give the text to continue")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cfg = tree_config(args)
-    if args.method != AR_METHOD:
-        fixed_schedule(args.method, cfg.depth)  # validates the pattern before any model is loaded
+    method = args.method
+    if method == "treegraft":
+        method = treegraft_policy(args)
+    elif method != AR_METHOD:
+        fixed_schedule(method, cfg.depth)  # validates the pattern before any model is loaded
     uses_middle = args.method not in (AR_METHOD, "all-small")
     target, middle = load_pair(args, uses_middle)
     if uses_middle and middle is None:
@@ -120,10 +136,10 @@ def cmd_generate(args) -> int:
                          "draft tree): shorten the prompt or ask for fewer tokens")
     if args.distributed:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
-            gen = engine.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
+            gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling)
-        gen = decoder.generate(list(prompt), args.max_new_tokens, args.method, target.eos_ids, seed=args.seed)
+        gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"token_ids": gen.tokens, "text": text, "stats": gen.stats.to_dict()}))
@@ -220,7 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     g.add_argument("--method", default="all-small",
-                   help="ar, all-small, all-mid, or a DEPTH-bit pattern such as 01001 (1 = middle drafter at that layer)")
+                   help="ar, all-small, all-mid, treegraft (the learned scheduler), or a DEPTH-bit pattern such as "
+                        "01001 (1 = middle drafter at that layer)")
+    g.add_argument("--scheduler", default=None, metavar="PATH",
+                   help="scheduler artifact for --method treegraft (default: the one shipped for the embedded pair)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
