@@ -17,7 +17,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.collect import (HELD_OUT_BENCHMARKS, MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, CostModel,
                                     measure_costs, part_name, records_table, write_part)
 from treegraft_dist.config import TreeConfig
+from treegraft_dist.files import write_json
 from treegraft_dist.models import load_model, load_tokenizer
 
 LOCAL_OBJECT_STORE = 512 * 1024**2
@@ -169,11 +169,7 @@ def _manifest(cfg: CollectConfig, worker_cfg: dict, context: list[int], remote_o
     manifest = {"schema_version": SCHEMA_VERSION, **cfg.settings(), "cost_model": cost, "budgets": budgets,
                 "benchmarks": list(cfg.benchmarks), "held_out": list(HELD_OUT_BENCHMARKS),
                 "advance": "accepted length of the round's best schedule at the largest budget"}
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cfg.out, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, manifest)
     return manifest
 
 

@@ -5,7 +5,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from tiny import VOCAB, hf_greedy, tiny_pair
 import pyarrow as pa

@@ -15,7 +15,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .files import write_json
 from .hf import CausalLM, compact_cache
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention
@@ -90,12 +90,8 @@ def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, flo
         floor = min(floor, measured[b])
         profile[b] = floor
     profile = dict(sorted(profile.items()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"model": source, "device": device_name(lm.device), "past": PROFILE_PAST,
-                   "verify_ms": {str(k): v for k, v in profile.items()}}, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, {"model": source, "device": device_name(lm.device), "past": PROFILE_PAST,
+                      "verify_ms": {str(k): v for k, v in profile.items()}})
     return profile
 
 

@@ -22,10 +22,8 @@ quantities (forward sizes, pruned sizes), so latencies can be recomputed under a
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from tqdm import tqdm
 from .budget import device_name, forward_ms, latency_profile, model_key
 from .config import TreeConfig
 from .engine import check_request, next_frontier, truncate
+from .files import replacing, write_json
 from .hf import CausalLM
 from .neural import NeuralDrafter
 from .ngram import NGramDrafter
@@ -130,7 +129,7 @@ def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, floa
         floor = min(floor, measured[b])
         profile[b] = floor
     profile = dict(sorted(profile.items()))
-    _write_json_atomic(path, {"model": source, "device": device_name(lm.device),
+    write_json(path, {"model": source, "device": device_name(lm.device),
                               "forward_ms": {str(k): v for k, v in profile.items()}})
     return profile
 
@@ -293,18 +292,6 @@ class Collector:
         return out
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # -- storage: one Parquet file per prompt ---------------------------------------------------------------
 
 SCHEMA_VERSION = 1
@@ -353,15 +340,8 @@ def records_table(records: list[RoundRecord], benchmark: str, prompt_id: str, pr
 
 def write_part(table: pa.Table, path: Path) -> None:
     """Write one prompt's rounds whole or not at all (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-", suffix=".tmp")
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

@@ -12,10 +12,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,6 +27,7 @@ from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questio
 from .budget import CANDIDATES, choose_budget, latency_profile
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder, Generation
+from .files import replacing, write_text
 from .models import LoadedModel
 from .peers import PEER_METHODS, run_peer
 from .prepare import cache_root
@@ -278,14 +277,8 @@ def _row(method: str, p: Prompt, gen: Generation, lossless: bool, budget: int | 
 
 
 def write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".parquet.tmp")
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @dataclass
@@ -315,12 +308,12 @@ class Summary:
         return "\n".join(lines)
 
     def write(self, out: Path) -> None:
-        _write_text_atomic(out / "summary.md", self.table() + "\n")
+        write_text(out / "summary.md", self.table() + "\n")
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=list(self.rows[0]))
         w.writeheader()
         w.writerows(self.rows)
-        _write_text_atomic(out / "summary.csv", buf.getvalue())
+        write_text(out / "summary.csv", buf.getvalue())
         plot_speedups(self, out / "speedup.png")
 
 
@@ -370,13 +363,6 @@ def _nanmean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def plot_speedups(summary: Summary, path: Path) -> None:
     import matplotlib
 
@@ -396,8 +382,6 @@ def plot_speedups(summary: Summary, path: Path) -> None:
     ax.set_title("Speedup by benchmark")
     ax.legend(fontsize=8, ncols=min(len(methods), 4))
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -26,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import write_bytes
 from .signals import NUM_SIGNALS, SIGNAL_NAMES
 
 FORMAT_VERSION = 1
@@ -200,17 +199,7 @@ class LearnedScheduler:
                 "versions": versions(), "extra": dict(extra_meta)}
         buf = io.BytesIO()
         np.savez(buf, **arrays, **extra_arrays, **{_META_KEY: np.array(json.dumps(meta))})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes(path, buf.getvalue())
         return path
 
     @classmethod
