@@ -130,12 +130,20 @@ def test_replaying_the_chosen_schedules_reproduces_rounds_and_target_output(pair
 
 def test_schedule_latency_adds_the_steps_of_each_schedule():
     forwards = np.zeros((63, 2), np.int64)
-    forwards[2] = (3, 8)  # the call at layer 0
+    forwards[1 * 2 + 2] = (3, 8)  # state 4: call at layer 1 after a skip at layer 0 (prefix 01)
+    forwards[4 * 2 + 2] = (5, 2)  # state 10: call at layer 2 after prefix 01 (prefix 011)
     sizes = np.full((1, 32), 16)
-    lat = COST.schedule_latency(forwards, sizes)[0]
-    call0 = COST.middle(3) + COST.middle(8)
-    assert lat[0] == pytest.approx(5 * COST.ngram_ms + 5 * COST.scheduler_ms + 150.0)
-    assert lat[16] == pytest.approx(call0 + 4 * COST.ngram_ms + 5 * COST.scheduler_ms + 150.0)
+    fixed = 5 * COST.scheduler_ms + 150.0
+    lat = COST.schedule_latency(forwards, sizes, catch_up=4)[0]
+    assert lat[0] == pytest.approx(5 * COST.ngram_ms + fixed)
+    # 01000: the one call runs the 4 catch-up tokens in its first forward.
+    assert lat[0b01000] == pytest.approx(COST.middle(3 + 4) + COST.middle(8) + 4 * COST.ngram_ms + fixed)
+    # 01100: only the first call of the round pays the catch-up.
+    assert lat[0b01100] == pytest.approx(COST.middle(7) + COST.middle(8) + COST.middle(5) + COST.middle(2)
+                                         + 3 * COST.ngram_ms + fixed)
+    # 10000: a call at layer 0 has only the root to run (processed before the round in trajectories):
+    # at run time that forward is the catch-up itself.
+    assert lat[0b10000] == pytest.approx(COST.middle(4) + 4 * COST.ngram_ms + fixed)
     assert COST.middle(128) == pytest.approx(60.0 + 64 * (36.0 / 56))  # linear past the last point
     assert CostModel.from_dict(COST.to_dict()) == COST
 

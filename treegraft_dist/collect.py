@@ -100,18 +100,26 @@ class CostModel:
             raise ValueError(f"not a cost model ({type(e).__name__}: {e}); expected the keys device, ngram_ms, "
                              "scheduler_ms, middle_ms, verify_ms as `treegraft collect` writes them") from e
 
-    def schedule_latency(self, forwards: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    def schedule_latency(self, forwards: np.ndarray, sizes: np.ndarray, catch_up: int = 1) -> np.ndarray:
         """Latency (ms) of each complete schedule. forwards: [63, 2] middle forward sizes of the step into
-        each prefix state (0 = none); sizes: [B, 32] pruned tree sizes -> [B, 32]."""
-        step = np.array([self.middle(int(a)) + self.middle(int(b)) for a, b in forwards])
-        step[1:][(forwards[1:] == 0).all(1)] = self.ngram_ms
-        step[0] = 0.0
+        each prefix state (0 = none); sizes: [B, 32] pruned tree sizes -> [B, 32].
+
+        `catch_up`: tokens the middle drafter has not seen when the round starts (the root and what the
+        last round accepted before it). Trajectories run them before the round; at run time the first call
+        of a round runs them in its first forward, so that is where they are priced."""
         draft = np.zeros(NUM_SCHEDULES)
         for s in range(NUM_SCHEDULES):
-            state = 0
+            state, called = 0, False
             for bit in SCHEDULES[s]:
                 state = 2 * state + 1 + int(bit)
-                draft[s] += step[state]
+                if not bit:
+                    draft[s] += self.ngram_ms
+                    continue
+                a, b = (int(x) for x in forwards[state])
+                if not called:  # the catch-up joins the first forward that runs
+                    a, b = (a + catch_up, b) if a else (0, b + catch_up)
+                    called = True
+                draft[s] += self.middle(a) + self.middle(b)
         draft += D * self.scheduler_ms
         verify = np.vectorize(self.verify, otypes=[np.float64])(sizes)
         return draft[None, :] + verify
@@ -270,13 +278,13 @@ class Collector:
         for d in (ngram, middle):
             d.start(prompt, prefill)
             d.accept([], ref[:1])
-        out, pos = [], 1
+        out, pos, catch_up = [], 1, 1
         bar = tqdm(total=limit, desc="tokens", unit="tok", file=sys.stderr, disable=not progress, leave=False)
         bar.update(1)
         while pos < limit and ref[pos - 1] not in eos:
             rec = enumerate_round(ref[pos - 1], cfg, ngram, middle, context, ref[pos:], self.budgets)
             rec.position = pos
-            lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:])[0]
+            lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:], catch_up)[0]
             rate = rec.accepted[-1] / lat
             if self.max_calls is not None:
                 rate = rate * (SCHEDULES.sum(1) <= self.max_calls)
@@ -287,6 +295,7 @@ class Collector:
             for d in (ngram, middle):
                 d.accept([0], tokens)
             pos += len(tokens)
+            catch_up = len(tokens)
             bar.update(len(tokens))
         bar.close()
         return out
@@ -322,6 +331,13 @@ def part_name(benchmark: str, prompt_id: str) -> str:
     return f"{safe}.parquet"
 
 
+def catch_up_tokens(records, r: int) -> int:
+    """Tokens the middle drafter has to catch up on at the start of round r: the root plus what the previous
+    round accepted before it. The prompt itself, processed by the first call of a request whatever the
+    schedule, is a per-request cost and not charged to round 0."""
+    return 1 if r == 0 else records[r].position - records[r - 1].position
+
+
 def records_table(records: list[RoundRecord], benchmark: str, prompt_id: str, prompt_len: int,
                   budgets: tuple[int, ...], cost: CostModel) -> pa.Table:
     rows = []
@@ -332,7 +348,8 @@ def records_table(records: list[RoundRecord], benchmark: str, prompt_id: str, pr
             "forwards": rec.forwards.reshape(-1).tolist(), "full_size": rec.full_size.tolist(),
             "budgets": list(budgets), "tree_size": rec.tree_size.reshape(-1).tolist(),
             "accepted": rec.accepted.reshape(-1).tolist(),
-            "latency_ms": cost.schedule_latency(rec.forwards, rec.tree_size).reshape(-1).tolist(),
+            "latency_ms": cost.schedule_latency(rec.forwards, rec.tree_size,
+                                                catch_up_tokens(records, r)).reshape(-1).tolist(),
             "behaviour": rec.behaviour,
         })
     return pa.Table.from_pylist(rows, schema=ROUND_SCHEMA)
@@ -376,7 +393,11 @@ class Trajectories:
         forwards = _column(t, "forwards", np.int64).reshape(n, NUM_STATES, FORWARDS_PER_CALL)
         sizes = _column(t, "tree_size", np.int64).reshape(n, b, NUM_SCHEDULES)[:, j]
         accepted = _column(t, "accepted", np.int64).reshape(n, b, NUM_SCHEDULES)[:, j]
-        latency = np.stack([cost.schedule_latency(f, s[None])[0] for f, s in zip(forwards, sizes)])
+        rounds_col = t.column("round").to_numpy()
+        position = t.column("position").to_numpy()
+        catch_up = np.where(rounds_col == 0, 1, position - np.r_[0, position[:-1]])
+        latency = np.stack([cost.schedule_latency(f, s[None], int(c))[0]
+                            for f, s, c in zip(forwards, sizes, catch_up)])
         return Rounds(signals, accepted, latency, t.column("prompt_id").to_numpy(zero_copy_only=False),
                       t.column("benchmark").to_numpy(zero_copy_only=False))
 
