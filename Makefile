@@ -28,7 +28,7 @@ eval: $(STAMP)
 # about an hour on 2 cores), then the value heads and the distilled MLP (a minute).
 SCHEDULER_ARTIFACT := treegraft_dist/data/scheduler/qwen2.5-coder-1.5b+0.5b-instruct.npz
 scheduler: $(STAMP)
-	$(VENV)/bin/treegraft collect --device cpu --prompts-per-benchmark 4 --max-new-tokens 32 --out out/trajectories
+	$(VENV)/bin/treegraft collect --device cpu --prompts-per-benchmark 6 --max-new-tokens 32 --out out/trajectories
 	$(VENV)/bin/treegraft fit --data out/trajectories --out $(SCHEDULER_ARTIFACT)
 
 # Fast suite, then the real-model smoke test (prepares the embedded pair on first use).

@@ -203,3 +203,19 @@ def test_fit_on_collected_rounds_gives_an_artifact_the_engine_runs(pair, tmp_pat
     for policy in (loaded, ValuePlanner(loaded_heads, report.call_cap)):
         gen = Decoder(target, middle, TreeConfig(budget=report.budget)).generate(prompt, 16, policy)
         assert gen.tokens == hf_greedy(target, prompt, 16)
+
+
+def test_a_call_budget_skips_unreachable_schedules_and_keeps_the_others(pair):
+    target, middle = pair
+    cfg = TreeConfig(budget=max(BUDGETS))
+    prompt = prompt_of(6)
+    full = Collector(target, middle, cfg, COST, BUDGETS).rounds(prompt, 8)
+    capped = Collector(target, middle, cfg, COST, BUDGETS, max_calls=1).rounds(prompt, 8)
+    ok = SCHEDULES.sum(1) <= 1
+    for a, b in zip(full, capped):
+        if a.position != b.position:
+            break  # the capped reference may advance differently from here
+        np.testing.assert_array_equal(a.accepted[:, ok], b.accepted[:, ok])
+        np.testing.assert_array_equal(a.tree_size[:, ok], b.tree_size[:, ok])
+        assert (b.accepted[:, ~ok] == 0).all()
+        assert SCHEDULES[b.behaviour].sum() <= 1

@@ -199,10 +199,12 @@ def accepted_length(tree: DraftTree, continuation) -> int:
 
 
 def enumerate_round(root: int, cfg: TreeConfig, ngram: NGramDrafter, middle: NeuralDrafter,
-                    context: np.ndarray, continuation: list[int], budgets: tuple[int, ...]) -> RoundRecord:
+                    context: np.ndarray, continuation: list[int], budgets: tuple[int, ...],
+                    max_calls: int | None = None) -> RoundRecord:
     """Draft one round under every schedule from shared prefixes. `context`: the request's 4 context
-    signals; `continuation`: the target's greedy tokens after the root. Drafter states are left as at
-    the start of the round (the middle drafter may have processed the root)."""
+    signals; `continuation`: the target's greedy tokens after the root. With `max_calls`, schedules with
+    more middle calls are not built (their states keep zero signals, their accepted length 0). Drafter
+    states are left as at the start of the round (the middle drafter may have processed the root)."""
     if cfg.depth != D:
         raise ValueError(f"trajectories enumerate {D}-layer schedules; the tree config has depth {cfg.depth}")
     signals = np.zeros((NUM_STATES, NUM_SIGNALS), np.float32)
@@ -224,7 +226,7 @@ def enumerate_round(root: int, cfg: TreeConfig, ngram: NGramDrafter, middle: Neu
                 accepted[j, s] = accepted_length(pruned, continuation)
             return
         saved = middle.snapshot()
-        for call in (False, True):
+        for call in (False, True) if max_calls is None or sum(calls) < max_calls else (False,):
             child, drafter = tree.copy(), middle if call else ngram
             if call:
                 middle.restore(saved)
@@ -258,7 +260,8 @@ class Collector:
 
     def __init__(self, target: CausalLM, middle: CausalLM, cfg: TreeConfig, cost: CostModel,
                  budgets: tuple[int, ...] | None = None, max_calls: int | None = None):
-        """`max_calls`: schedules with more middle calls do not advance the reference (a call budget)."""
+        """`max_calls`: schedules with more middle calls are neither built nor chosen to advance the
+        reference (a call budget)."""
         self.target, self.middle, self.cfg, self.cost = target, middle, cfg, cost
         self.max_calls = max_calls
         self.budgets = tuple(sorted(budgets or cost.verify_ms))
@@ -282,7 +285,7 @@ class Collector:
         bar = tqdm(total=limit, desc="tokens", unit="tok", file=sys.stderr, disable=not progress, leave=False)
         bar.update(1)
         while pos < limit and ref[pos - 1] not in eos:
-            rec = enumerate_round(ref[pos - 1], cfg, ngram, middle, context, ref[pos:], self.budgets)
+            rec = enumerate_round(ref[pos - 1], cfg, ngram, middle, context, ref[pos:], self.budgets, self.max_calls)
             rec.position = pos
             lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:], catch_up)[0]
             rate = rec.accepted[-1] / lat
