@@ -2,7 +2,8 @@
 3,265-parameter scheduler, saved as one artifact.
 
 Steps (all on rounds priced at one verification budget):
-  budget     the recorded budget where the best schedule per round (the oracle) is fastest, unless given;
+  budget     unless given, the recorded budget where value heads on all signals, followed greedily, decode
+             the held-out prompts fastest (the budget a scheduler can make the most of on this device);
   call cap   b0 = floor(T_tgt / T_mid) at that budget: schedules with more middle calls are out of reach
              at run time, so they get 0 tokens/s in every max below;
   split      by prompt, MT-Bench never present (it is not collected);
@@ -57,7 +58,7 @@ def head_margins(heads: ValueHeads, signals: np.ndarray, max_calls: int | None) 
     return q[1] - q[0]
 
 
-def follow(margins: np.ndarray, max_calls: int | None) -> np.ndarray:
+def schedules_from_margins(margins: np.ndarray, max_calls: int | None) -> np.ndarray:
     """[R, 31] margins -> [R] schedule index reached by calling iff margin > 0 (and calls remain)."""
     out = np.zeros(len(margins), np.int64)
     for r, m in enumerate(margins):
@@ -81,13 +82,26 @@ def oracle_schedules(rounds: Rounds, max_calls: int | None) -> np.ndarray:
     return np.argmax(tps, axis=1)
 
 
-def choose_budget(traj: Trajectories) -> int:
-    """The recorded budget where the (capped) oracle decodes fastest."""
-    rates = {}
+def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_fit: dict | None = None,
+                  log=print) -> dict[int, dict[str, float]]:
+    """Per recorded budget, held-out tokens/s (cost model) of: the value heads on all 17 signals followed
+    greedily (what a scheduler can reach there), the capped oracle, all-small and all-mid."""
+    out = {}
     for b in traj.budgets:
-        rounds = traj.rounds(b)
-        rates[b] = speed(rounds, oracle_schedules(rounds, call_cap(traj.cost, b)))
-    return max(rates, key=lambda b: (rates[b], -b))
+        cap = call_cap(traj.cost, b)
+        train, held = split_rounds(traj.rounds(b), heldout_fraction, seed)
+        heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed, **(value_fit or {}))
+        out[b] = {"scheduled": speed(held, schedules_from_margins(head_margins(heads, held.signals, cap), cap)),
+                  "oracle": speed(held, oracle_schedules(held, cap)),
+                  "all-small": speed(held, np.zeros(len(held), np.int64)),
+                  "all-mid": speed(held, np.full(len(held), len(SCHEDULES) - 1))}
+        log(f"  budget {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[b].items()) + " tok/s")
+    return out
+
+
+def choose_budget(speeds: dict[int, dict[str, float]]) -> int:
+    """The budget where the scheduled decode is fastest on the held-out prompts (ties: the smaller)."""
+    return max(speeds, key=lambda b: (speeds[b]["scheduled"], -b))
 
 
 @dataclass
@@ -100,9 +114,20 @@ class FitReport:
     candidates: dict[str, dict]  # name -> {"error": mean held-out error, "speed": implied tok/s, heads errors}
     heldout_speed: dict[str, float]  # policy -> tokens/s on the held-out rounds under the cost model
     sign_agreement: float  # held-out: scheduler decision == oracle-margin sign
+    by_budget: dict[int, dict[str, float]]  # budget_speeds, when the budget was chosen
+
+    def budget_table(self) -> str:
+        if not self.by_budget:
+            return ""
+        names = list(next(iter(self.by_budget.values())))
+        lines = ["| budget | " + " | ".join(f"{n} tok/s" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+        for b, row in self.by_budget.items():
+            mark = " (chosen)" if b == self.budget else ""
+            lines.append(f"| {b}{mark} | " + " | ".join(f"{row[n]:.2f}" for n in names) + " |")
+        return "\n".join(lines) + "\n\n"
 
     def table(self) -> str:
-        lines = [f"budget {self.budget}, call cap b0 = {self.call_cap}; {self.train_rounds} train rounds, "
+        lines = [self.budget_table() + f"budget {self.budget}, call cap b0 = {self.call_cap}; {self.train_rounds} train rounds, "
                  f"{self.heldout_rounds} held-out rounds", "",
                  "| signal subset | held-out error (value heads) | implied held-out tok/s | chosen |",
                  "|---|---|---|---|"]
@@ -120,7 +145,11 @@ class FitReport:
 def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_fraction: float = 0.25,
         seed: int = 0, candidates: dict[str, tuple[str, ...]] = CANDIDATE_SUBSETS, value_fit: dict | None = None,
         scheduler_fit: dict | None = None, log=print) -> tuple[LearnedScheduler, ValueHeads, FitReport]:
-    budget = choose_budget(traj) if budget is None else budget
+    by_budget = {}
+    if budget is None:
+        log(f"choosing the budget among {list(traj.budgets)} (value heads on all signals, held-out prompts)")
+        by_budget = budget_speeds(traj, heldout_fraction, seed, value_fit, log)
+        budget = choose_budget(by_budget)
     cap = call_cap(traj.cost, budget)
     rounds = traj.rounds(budget)
     train, held = split_rounds(rounds, heldout_fraction, seed)
@@ -133,7 +162,7 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
     for name, subset in candidates.items():
         heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
         err = heads.heldout_error(held)
-        implied = speed(held, follow(head_margins(heads, held.signals, cap), cap))
+        implied = speed(held, schedules_from_margins(head_margins(heads, held.signals, cap), cap))
         heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
         log(f"  {name}: held-out error {err['mean']:.3f}, implied {implied:.2f} tok/s")
     fastest = max(s["speed"] for s in scored.values())
@@ -148,12 +177,12 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
     agreement = float(np.mean((predicted > 0) == (oracle_m > 0)))
     held_speed = {
         "oracle": speed(held, oracle_schedules(held, cap)),
-        "scheduler (distilled)": speed(held, follow(predicted, cap)),
+        "scheduler (distilled)": speed(held, schedules_from_margins(predicted, cap)),
         "value planner": scored[best]["speed"],
         "all-small": speed(held, np.zeros(len(held), np.int64)),
         "all-mid": speed(held, np.full(len(held), len(SCHEDULES) - 1)),
     }
-    report = FitReport(budget, cap, best, len(train), len(held), scored, held_speed, agreement)
+    report = FitReport(budget, cap, best, len(train), len(held), scored, held_speed, agreement, by_budget)
     info = SchedulerInfo(
         tuple(traj.manifest["pair"]),
         {**traj.manifest["cost_model"], "budget": budget, "call_cap": cap},
