@@ -22,14 +22,23 @@ def test_default_pair_loads_and_shares_one_vocabulary():
 
 
 def test_default_pair_is_lossless_on_short_prompts():
+    from treegraft_dist.config import TreeConfig
     from treegraft_dist.engine import Decoder
     from treegraft_dist.models import check_pair, load_model
+    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
+    from treegraft_dist.scheduler import default_artifact
+    from treegraft_dist.value import ValuePlanner, load_artifact
 
     target_dir, middle_dir = prepare_default_models()
     target = load_model(str(target_dir), "cpu", "float32")
     middle = load_model(str(middle_dir), "cpu", "float32")
     check_pair(target, middle)
     decoder = Decoder(target.lm, middle.lm)
+    # The scheduler that ships for this pair loads for it and, at its budget, decodes losslessly too.
+    scheduler, heads = load_artifact(default_artifact((DEFAULT_TARGET, DEFAULT_MIDDLE)),
+                                     expect_pair=(DEFAULT_TARGET, DEFAULT_MIDDLE))
+    cfg = TreeConfig(budget=scheduler.info.cost_profile["budget"])
+    scheduled = Decoder(target.lm, middle.lm, cfg)
     for question in ("Write a Python function that returns the n-th Fibonacci number.",
                      "What is the capital of France? Answer in one sentence."):
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": question}],
@@ -38,3 +47,5 @@ def test_default_pair_is_lossless_on_short_prompts():
         assert len(reference) > 0
         for method in ("all-small", "all-mid"):
             assert decoder.generate(prompt, 24, method, target.eos_ids).tokens == reference, method
+        for policy in (scheduler, ValuePlanner(heads, scheduler.info.cost_profile["call_cap"])):
+            assert scheduled.generate(prompt, 24, policy, target.eos_ids).tokens == reference, policy.name
