@@ -52,7 +52,7 @@ class CallablePolicy:
 
 @dataclass(frozen=True)
 class ShallowTreeHeuristic:
-    """The `treegraft` method until a learned scheduler is available: take an n-gram step first, then
+    """The `treegraft` method for a pair without a scheduler artifact: take an n-gram step first, then
     call the middle drafter once, at the first layer where the n-gram tree is still shallow (mean
     frontier depth below `min_depth`: the context offered no long match to follow)."""
 
