@@ -176,3 +176,11 @@ def test_artifact_methods_refuse_a_missing_or_foreign_artifact(pair, artifact, t
     said = []
     ev = Evaluation(target, middle, EvalConfig(methods=["treegraft"], pair=("a", "b"), **base), log=said.append)
     assert ev.scheduler is None and "heuristic" in said[0]
+
+
+def test_the_oracle_is_refused_on_a_distributed_engine(pair, artifact, tmp_path):
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["gsm8k"], methods=["oracle"], prompts_per_benchmark=1, max_new_tokens=4,
+                     out=tmp_path / "o", budget=16, scheduler=artifact, pair=("tiny-target", "tiny-middle"))
+    with pytest.raises(ValueError, match="without --distributed"):
+        Evaluation(target, middle, cfg, engine=object())

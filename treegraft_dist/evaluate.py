@@ -114,6 +114,9 @@ class Evaluation:
         need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "all-small", "hf-pld")]
         if middle is None and need_middle:
             raise ValueError(f"methods {', '.join(need_middle)} need a middle drafter; drop them or give --middle")
+        if engine is not None and ORACLE in cfg.methods:
+            raise ValueError("oracle enumerates every schedule with the models in this process: run it without "
+                             "--distributed")
         if engine is not None and (cfg.budget == "auto" or set(cfg.methods) & set(PEER_METHODS)):
             raise ValueError("a distributed evaluation needs a numeric --budget and runs our methods only: "
                              f"drop {', '.join(PEER_METHODS)} from --methods")
