@@ -288,9 +288,7 @@ class Collector:
             rec = enumerate_round(ref[pos - 1], cfg, ngram, middle, context, ref[pos:], self.budgets, self.max_calls)
             rec.position = pos
             lat = self.cost.schedule_latency(rec.forwards, rec.tree_size[-1:], catch_up)[0]
-            rate = rec.accepted[-1] / lat
-            if self.max_calls is not None:
-                rate = rate * (SCHEDULES.sum(1) <= self.max_calls)
+            rate = rec.accepted[-1] / lat  # schedules over max_calls were not built: accepted 0
             rec.behaviour = int(np.flatnonzero(rate == rate.max())[0])
             out.append(rec)
             step = int(rec.accepted[-1, rec.behaviour])
@@ -307,7 +305,6 @@ class Collector:
 # -- storage: one Parquet file per prompt ---------------------------------------------------------------
 
 SCHEMA_VERSION = 1
-META_KEY = b"treegraft"
 MANIFEST = "collect.json"
 ROUNDS_DIR = "rounds"
 HELD_OUT_BENCHMARKS = ("mt_bench",)  # never collected, never fitted on

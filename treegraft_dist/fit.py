@@ -26,8 +26,8 @@ import torch
 from . import value
 from .collect import CostModel, Trajectories
 from .scheduler import LearnedScheduler, SchedulerInfo
-from .value import (CANDIDATE_SUBSETS, NUM_DECISION_STATES, NUM_QUERIES, QUERY_SCHEDULE, QUERY_START, SCHEDULES,
-                    Rounds, ValueHeads, fit_scheduler, fit_value_heads, split_rounds)
+from .value import (CANDIDATE_SUBSETS, NUM_DECISION_STATES, SCHEDULES, Rounds, ValueHeads, feasible, fit_scheduler,
+                    fit_value_heads, split_rounds)
 
 SPEED_TIE = 0.01  # subsets within 1% of the fastest count as tied; the lower held-out error wins
 
@@ -35,27 +35,6 @@ SPEED_TIE = 0.01  # subsets within 1% of the fastest count as tied; the lower he
 def call_cap(cost: CostModel, budget: int) -> int:
     t = cost.timings(budget)
     return max(0, math.floor(t.t_tgt_ms / t.t_mid_ms))
-
-
-def feasible(max_calls: int | None) -> np.ndarray:  # [32] bool
-    calls = SCHEDULES.sum(1)
-    return np.ones(len(SCHEDULES), bool) if max_calls is None else calls <= max_calls
-
-
-def oracle_margins(rounds: Rounds, max_calls: int | None) -> np.ndarray:  # [R, 31]
-    return value.oracle_margins(rounds.accepted * feasible(max_calls), rounds.latency_ms)
-
-
-def head_margins(heads: ValueHeads, signals: np.ndarray, max_calls: int | None) -> np.ndarray:
-    """ValueHeads.margins with unreachable schedules at 0 tokens/s. signals: [R, 63 or 31, 17] -> [R, 31]."""
-    r = len(signals)
-    x = np.asarray(signals, np.float32)[:, value.QUERY_STATE].reshape(-1, signals.shape[-1])
-    p = heads.predict(x, np.tile(value.QUERY_SUFFIX, (r, 1)))
-    ok = feasible(max_calls)
-    tps = np.stack([(p[f"accepted_{a}"] / (np.exp(p[f"loglat_{a}"]) / 1e3)).reshape(r, NUM_QUERIES) * ok[QUERY_SCHEDULE[i]]
-                    for i, a in enumerate(("skip", "call"))])
-    q = np.maximum.reduceat(tps, QUERY_START, axis=-1)
-    return q[1] - q[0]
 
 
 def schedules_from_margins(margins: np.ndarray, max_calls: int | None) -> np.ndarray:
@@ -82,6 +61,13 @@ def oracle_schedules(rounds: Rounds, max_calls: int | None) -> np.ndarray:
     return np.argmax(tps, axis=1)
 
 
+def reference_speeds(rounds: Rounds, max_calls: int | None) -> dict[str, float]:
+    """Tokens/s of the capped oracle and of the two fixed endpoints on `rounds`."""
+    return {"oracle": speed(rounds, oracle_schedules(rounds, max_calls)),
+            "all-small": speed(rounds, np.zeros(len(rounds), np.int64)),
+            "all-mid": speed(rounds, np.full(len(rounds), len(SCHEDULES) - 1))}
+
+
 def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_fit: dict | None = None,
                   log=print) -> dict[int, dict[str, float]]:
     """Per recorded budget, held-out tokens/s (cost model) of: the value heads on all 17 signals followed
@@ -91,10 +77,8 @@ def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_
         cap = call_cap(traj.cost, b)
         train, held = split_rounds(traj.rounds(b), heldout_fraction, seed)
         heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed, **(value_fit or {}))
-        out[b] = {"scheduled": speed(held, schedules_from_margins(head_margins(heads, held.signals, cap), cap)),
-                  "oracle": speed(held, oracle_schedules(held, cap)),
-                  "all-small": speed(held, np.zeros(len(held), np.int64)),
-                  "all-mid": speed(held, np.full(len(held), len(SCHEDULES) - 1))}
+        out[b] = {"scheduled": speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap)),
+                  **reference_speeds(held, cap)}
         log(f"  budget {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[b].items()) + " tok/s")
     return out
 
@@ -162,26 +146,22 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
     for name, subset in candidates.items():
         heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
         err = heads.heldout_error(held)
-        implied = speed(held, schedules_from_margins(head_margins(heads, held.signals, cap), cap))
+        implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
         heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
         log(f"  {name}: held-out error {err['mean']:.3f}, implied {implied:.2f} tok/s")
     fastest = max(s["speed"] for s in scored.values())
     best = min((n for n in candidates if scored[n]["speed"] >= (1 - SPEED_TIE) * fastest),
                key=lambda n: scored[n]["error"])
     heads = heads_by[best]
-    margins = head_margins(heads, train.signals, cap).reshape(-1)
+    margins = heads.margins(train.signals, cap).reshape(-1)
     model = fit_scheduler(train.decision_signals(), margins, candidates[best], seed, **(scheduler_fit or {}))
     with torch.no_grad():
         predicted = model(torch.from_numpy(held.decision_signals())).numpy().reshape(len(held), -1)
-    oracle_m = oracle_margins(held, cap)
+    oracle_m = value.oracle_margins(held.accepted, held.latency_ms, cap)
     agreement = float(np.mean((predicted > 0) == (oracle_m > 0)))
-    held_speed = {
-        "oracle": speed(held, oracle_schedules(held, cap)),
-        "scheduler (distilled)": speed(held, schedules_from_margins(predicted, cap)),
-        "value planner": scored[best]["speed"],
-        "all-small": speed(held, np.zeros(len(held), np.int64)),
-        "all-mid": speed(held, np.full(len(held), len(SCHEDULES) - 1)),
-    }
+    ref = reference_speeds(held, cap)
+    held_speed = {"oracle": ref["oracle"], "scheduler (distilled)": speed(held, schedules_from_margins(predicted, cap)),
+                  "value planner": scored[best]["speed"], "all-small": ref["all-small"], "all-mid": ref["all-mid"]}
     report = FitReport(budget, cap, best, len(train), len(held), scored, held_speed, agreement, by_budget)
     info = SchedulerInfo(
         tuple(traj.manifest["pair"]),

@@ -149,11 +149,17 @@ def _margins_from_queries(tps: np.ndarray) -> np.ndarray:
     return q[1] - q[0]
 
 
-def oracle_margins(accepted: np.ndarray, latency_ms: np.ndarray) -> np.ndarray:
-    """Exact margins of every decision state from the recorded table of the 32 schedules.
+def feasible(max_calls: int | None) -> np.ndarray:  # [32] bool
+    """Schedules within a per-round call budget (all of them without one)."""
+    return np.ones(NUM_SCHEDULES, bool) if max_calls is None else SCHEDULES.sum(1) <= max_calls
+
+
+def oracle_margins(accepted: np.ndarray, latency_ms: np.ndarray, max_calls: int | None = None) -> np.ndarray:
+    """Exact margins of every decision state from the recorded table of the 32 schedules; schedules over
+    `max_calls` middle calls count as 0 tokens/s.
 
     accepted, latency_ms: [R, 32] (or [32]) -> [R, 31] (or [31]), decision states in heap order."""
-    tps = np.asarray(accepted, np.float64) / (np.asarray(latency_ms, np.float64) / 1e3)
+    tps = np.asarray(accepted, np.float64) / (np.asarray(latency_ms, np.float64) / 1e3) * feasible(max_calls)
     return _margins_from_queries(np.moveaxis(tps[..., QUERY_SCHEDULE], -2, 0))
 
 
@@ -235,14 +241,16 @@ class ValueHeads:
         """signals: [n, 17], suffix: [n, 2D] -> HEADS -> [n] in target units (tokens, log ms)."""
         return self._forward(self._inputs(signals, suffix))
 
-    def margins(self, signals: np.ndarray) -> np.ndarray:
-        """Exact margins under the heads: every suffix enumerated at every decision state.
+    def margins(self, signals: np.ndarray, max_calls: int | None = None) -> np.ndarray:
+        """Exact margins under the heads: every suffix enumerated at every decision state; schedules over
+        `max_calls` middle calls count as 0 tokens/s.
 
         signals: [R, 63, 17] (or [R, 31, 17]) -> [R, 31]."""
         r = len(signals)
         x = np.asarray(signals, np.float32)[:, QUERY_STATE].reshape(-1, NUM_SIGNALS)  # [R * 80, 17]
-        tps = _tokens_per_s(self.predict(x, np.tile(QUERY_SUFFIX, (r, 1))))
-        return _margins_from_queries(tps.reshape(2, r, NUM_QUERIES))
+        tps = _tokens_per_s(self.predict(x, np.tile(QUERY_SUFFIX, (r, 1)))).reshape(2, r, NUM_QUERIES)
+        tps = tps * feasible(max_calls)[QUERY_SCHEDULE][:, None, :]
+        return _margins_from_queries(tps)
 
     def heldout_error(self, rounds: Rounds) -> dict[str, float]:
         """Per head, MSE over its examples divided by the variance of its target there (0 = perfect,
