@@ -119,6 +119,15 @@ def test_benchmarks_ship_with_the_package_and_validate(tmp_path):
         load_questions(bad)
 
 
+def test_prompts_go_round_robin_over_benchmarks(bench_file):
+    from treegraft_dist.evaluate import select_questions
+
+    cfg = EvalConfig(benchmarks=["gsm8k", "qa"], benchmark_files=[bench_file], prompts_per_benchmark=2)
+    got = [(q.question_id, q.turns[0]) for q in select_questions(cfg)]
+    sets = [builtin("gsm8k")[:2], builtin("qa")[:2], load_questions(bench_file)[:2]]
+    assert got == [(s[i].question_id, s[i].turns[0]) for i in range(2) for s in sets]
+
+
 @pytest.fixture(scope="module")
 def artifact(pair, tmp_path_factory):
     """A scheduler fitted on rounds collected from the tiny pair (pair names: tiny-target, tiny-middle)."""

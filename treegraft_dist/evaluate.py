@@ -1,7 +1,7 @@
 """Evaluation: methods x prompts on one model pair, every output checked against plain decoding.
 
 Rows go to DIR/results.parquet (rewritten atomically after every prompt, so an interrupted run keeps
-what it finished); the summary to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
+what it finished; prompts go round-robin over the benchmarks, so that is a balanced subset); the summary to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
 Speedup of a method on a benchmark = total `ar` wall time / total method wall time over the same prompts,
 prefill included. Methods run interleaved per prompt, so machine noise hits them alike; one warm-up
 request per method (not timed) comes first.
@@ -96,12 +96,11 @@ class Prompt:
 
 
 def select_questions(cfg: EvalConfig) -> list[Question]:
-    out = []
-    for name in cfg.benchmarks:
-        out += builtin(name)[: cfg.prompts_per_benchmark]
-    for path in cfg.benchmark_files:
-        out += load_questions(path)[: cfg.prompts_per_benchmark]
-    return out
+    """The first N questions of every set, round-robin (question 1 of each set, then question 2 ...),
+    so a run stopped part-way has covered every benchmark about equally."""
+    sets = [builtin(name)[: cfg.prompts_per_benchmark] for name in cfg.benchmarks]
+    sets += [load_questions(path)[: cfg.prompts_per_benchmark] for path in cfg.benchmark_files]
+    return [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
 
 
 class Evaluation:
