@@ -2,6 +2,7 @@
 
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -93,6 +94,46 @@ def test_eval_cli_end_to_end(tmp_path, bench_file, capsys):
     assert code == 0
     assert "| 10000 |" in out and "speedup.png" in out
     assert len(pq.read_table(tmp_path / "out" / "results.parquet")) == 2 * 3
+
+
+def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, bench_file, capsys):
+    tok = char_tokenizer()
+    model = tiny_model("llama", init=0.4)
+    t = save_tiny(tmp_path / "t", model, tok)
+    out = tmp_path / "out"
+    assert main(["eval", "--target", t, "--middle", "none", "--benchmarks", "", "--benchmark-file", bench_file,
+                 "--methods", "ar,all-small", "--prompts-per-benchmark", "3", "--max-new-tokens", "8",
+                 "--budget", "8", "--out", str(out), "--device", "cpu"]) == 0
+    table = capsys.readouterr().out.split("\n\nresults:")[0]
+    (out / "summary.md").unlink()
+    (out / "speedup.png").unlink()
+    assert main(["summary", str(out)]) == 0
+    assert capsys.readouterr().out.split("\n\nresults:")[0] == table
+    assert (out / "summary.md").read_text().strip() == table and (out / "speedup.png").stat().st_size > 0
+
+    # An interrupted run: the last prompt has only its ar row; the summary covers the two complete prompts.
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    last = rows[-1]["prompt_id"]
+    cut = [r for r in rows if r["prompt_id"] != last or r["method"] == "ar"]
+    pq.write_table(pa.Table.from_pylist(cut), out / "results.parquet")
+    assert main(["summary", str(out)]) == 0
+    assert "| 2/2 |" in capsys.readouterr().out
+
+    # An output that differs from ar fails the command, as in eval.
+    for r in cut:
+        if r["method"] == "all-small":
+            r["lossless"] = False
+            break
+    pq.write_table(pa.Table.from_pylist(cut), out / "results.parquet")
+    assert main(["summary", str(out)]) == 1
+    assert "differ from ar" in capsys.readouterr().err
+
+    (tmp_path / "empty").mkdir()
+    assert main(["summary", str(tmp_path / "empty")]) == 2
+    assert "results.parquet does not exist" in capsys.readouterr().err
+    (out / "results.parquet").write_text("not parquet")
+    assert main(["summary", str(out)]) == 2
+    assert "not a readable Parquet file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,needle", [

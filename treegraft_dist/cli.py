@@ -169,13 +169,23 @@ def cmd_eval(args) -> int:
             summary = Evaluation(target, middle, cfg, engine=engine).run()
     else:
         summary = Evaluation(target, middle, cfg).run()
+    return _report(summary, cfg.out)
+
+
+def _report(summary, out: Path) -> int:
     print(summary.table())
-    print(f"\nresults: {cfg.out / 'results.parquet'}\nsummary: {cfg.out / 'summary.md'}\nchart: {cfg.out / 'speedup.png'}")
+    print(f"\nresults: {out / 'results.parquet'}\nsummary: {out / 'summary.md'}\nchart: {out / 'speedup.png'}")
     if summary.mismatches:
         print(f"treegraft: error: {len(summary.mismatches)} outputs differ from ar: "
               + ", ".join(f"{m} on {b}/{q}" for m, b, q in summary.mismatches[:10]), file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_summary(args) -> int:
+    from .evaluate import summarize_folder
+
+    return _report(summarize_folder(Path(args.out)), Path(args.out))
 
 
 def _int_arg(name: str, value: str) -> int:
@@ -263,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "one shipped for the embedded pair)")
     e.add_argument("--out", default="out/eval")
     e.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("summary", help="the summary table and chart of an eval folder (e.g. of an interrupted run)")
+    s.add_argument("out", help="the --out folder of `treegraft eval` (holds results.parquet)")
+    s.set_defaults(func=cmd_summary)
 
     f = sub.add_parser("fit", help="fit the value heads and distil the scheduler from collected trajectories")
     f.add_argument("--data", required=True, help="a `treegraft collect` output folder")

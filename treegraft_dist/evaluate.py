@@ -349,6 +349,40 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
     return Summary(rows, methods, benches)
 
 
+def summarize_folder(out: Path) -> Summary:
+    """The summary of an eval folder's results.parquet, rewritten to summary.md, summary.csv and the chart: for a
+    run that was interrupted (its rows hold every prompt it finished) or a folder copied from elsewhere."""
+    path = Path(out) / "results.parquet"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: give the --out folder of a `treegraft eval` run")
+    try:
+        t = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path} is not a readable Parquet file ({e})") from None
+    missing = {"method", "benchmark", "prompt_id", "new_tokens", "wall_s", "rounds", "mean_accepted",
+               "middle_calls", "lossless"} - set(t.column_names)
+    if missing or not len(t):
+        raise ValueError(f"{path} is not an eval result table (missing columns: {', '.join(sorted(missing)) or '-'}, "
+                         f"{len(t)} rows)")
+    methods = list(dict.fromkeys(t.column("method").to_pylist()))
+    if AR_METHOD not in methods:
+        raise ValueError(f"{path} has no {AR_METHOD!r} rows: speedups are measured against them")
+    rows = t.to_pylist()
+    key = lambda r: (r["benchmark"], r["prompt_id"], r.get("turn", 0))  # noqa: E731
+    have: dict[tuple, set] = {}
+    for r in rows:
+        have.setdefault(key(r), set()).add(r["method"])
+    # Speedups compare methods on the same prompts: a prompt some method lacks is left out of every mean.
+    rows = [r for r in rows if have[key(r)] == set(methods)]
+    if not rows:
+        raise ValueError(f"{path}: no prompt has a row for every method ({', '.join(methods)})")
+    summary = summarize(pa.Table.from_pylist(rows), methods)
+    summary.write(Path(out))
+    mismatches = [(r["method"], r["benchmark"], r["prompt_id"]) for r in rows
+                  if not r["lossless"] and is_ours(r["method"])]
+    return dataclasses.replace(summary, mismatches=mismatches)
+
+
 def _mean_row(method: str, name: str, per_bench: list[dict]) -> dict:
     n_lossless = sum(int(r["lossless_prompts"].split("/")[0]) for r in per_bench)
     n = len(per_bench)
