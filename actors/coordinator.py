@@ -18,8 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, draft_tree, resolve_policy,
-                                   round_config,
-                                   truncate)
+                                   round_config, truncate, until_eos)
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
@@ -152,9 +151,10 @@ class Coordinator:
                     path = [0] + [int(kept[i]) for i in verdict.accepted]
                     for d in drafters:
                         d.accept(path, verdict.tokens)
-                    out.extend(verdict.tokens)
+                    accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
+                    out.extend(accepted)
                     self._progress[rid] = len(out)
-                    stats.accepted.append(len(verdict.tokens))
+                    stats.accepted.append(len(accepted))
                     stats.tree_sizes.append(pruned.size)
                     fell_back = middle.fallback_steps - fell_back if middle is not None else 0
                     stats.middle_calls.append(sum(calls) - fell_back)

@@ -131,7 +131,9 @@ class TestLlamaTP2:
         p = prompts(3)[0]
         full = hf_greedy(pair.target, p, 20)
         eos = full[7]
-        assert engine.generate(p, 20, "01001", eos_ids=[eos]).tokens == full[: full.index(eos) + 1]
+        got = engine.generate(p, 20, "all-mid", eos_ids=[eos])
+        assert got.tokens == full[: full.index(eos) + 1]
+        assert 1 + sum(got.stats.accepted) == len(got.tokens)  # stopped in the round that accepted eos
         assert engine.generate(p, 0, "all-mid").tokens == []
         with pytest.raises(ValueError, match="prompt is empty"):
             engine.generate([], 5)

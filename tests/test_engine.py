@@ -89,8 +89,12 @@ def test_eos_stops_like_plain_decoding():
     ref = hf_greedy(target, prompt, 40)
     eos = ref[17]
     expected = ref[: ref.index(eos) + 1]
-    for method in ("ar", "all-small", "all-mid", "01001"):
-        assert Decoder(target, mid).generate(prompt, 40, method, eos_ids={eos}).tokens == expected
+    perfect = CausalLM(perturbed_copy(target.model, 0.0, 0))  # accepts whole paths: eos lands inside a round
+    for drafter, method in [(mid, "ar"), (mid, "all-small"), (mid, "all-mid"), (mid, "01001"), (perfect, "all-mid")]:
+        g = Decoder(target, drafter).generate(prompt, 40, method, eos_ids={eos})
+        assert g.tokens == expected
+        # Decoding stops in the round that accepts eos: no round is spent past it, none is counted.
+        assert 1 + sum(g.stats.accepted) == g.stats.new_tokens == len(expected), method
 
 
 def test_statistics_are_consistent():

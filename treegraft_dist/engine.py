@@ -133,8 +133,9 @@ class Decoder:
                 path = [0] + [int(kept[i]) for i in verdict.accepted]
                 for d in drafters:
                     d.accept(path, verdict.tokens)
-                out.extend(verdict.tokens)
-                stats.accepted.append(len(verdict.tokens))
+                accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
+                out.extend(accepted)
+                stats.accepted.append(len(accepted))
                 stats.tree_sizes.append(pruned.size)
                 stats.middle_calls.append(sum(calls))
                 for b in self.probe_budgets:
@@ -207,10 +208,14 @@ def may_call_middle(policy: SchedulePolicy) -> bool:
     return "1" in getattr(policy, "pattern", "1")
 
 
-def truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """Cut at max_new tokens and after the first end-of-sequence token, as plain decoding stops."""
-    tokens = tokens[:max_new]
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """`tokens` up to and including the first end-of-sequence token."""
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1]
     return tokens
+
+
+def truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Cut at max_new tokens and after the first end-of-sequence token, as plain decoding stops."""
+    return until_eos(tokens[:max_new], eos)
