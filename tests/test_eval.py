@@ -103,8 +103,11 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
     out = tmp_path / "out"
     assert main(["eval", "--target", t, "--middle", "none", "--benchmarks", "", "--benchmark-file", bench_file,
                  "--methods", "ar,all-small", "--prompts-per-benchmark", "3", "--max-new-tokens", "8",
-                 "--budget", "8", "--out", str(out), "--device", "cpu"]) == 0
-    table = capsys.readouterr().out.split("\n\nresults:")[0]
+                 "--budget", "all-small=5", "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "budgets: all-small: 5" in printed
+    table = printed[printed.index("| method |"):].split("\n\nresults:")[0]
+    assert {r["budget"] for r in pq.read_table(out / "results.parquet").to_pylist() if r["method"] == "all-small"} == {5}
     (out / "summary.md").unlink()
     (out / "speedup.png").unlink()
     assert main(["summary", str(out)]) == 0
@@ -141,6 +144,10 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
     (["--methods", "ar,fast"], "unknown method"),
     (["--budget", "0"], "budget"),
     (["--budget", "lots"], "budget"),
+    (["--budget", "all-small=0"], "integer >= 1"),
+    (["--budget", "all-small=,all-mid=3"], "is not METHOD=N"),
+    (["--budget", "hf-pld=4"], "not one of our tree methods"),
+    (["--methods", "ar,all-small", "--budget", "all-mid=4"], "not one of our tree methods"),
     (["--prompts-per-benchmark", "0"], "prompts-per-benchmark"),
 ])
 def test_eval_bad_input(argv, needle, capsys):

@@ -153,7 +153,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    budget = args.budget if args.budget == "auto" else _int_arg("--budget", args.budget)
+    budget = _eval_budget(args.budget)
     cfg = EvalConfig(benchmarks=[b for b in args.benchmarks.split(",") if b], benchmark_files=args.benchmark_file,
                      methods=[m for m in args.methods.split(",") if m], prompts_per_benchmark=args.prompts_per_benchmark,
                      max_new_tokens=args.max_new_tokens, out=Path(args.out), multi_turn=args.multi_turn, budget=budget,
@@ -163,8 +163,8 @@ def cmd_eval(args) -> int:
         builtin(b)  # unknown names fail before any model is loaded
     target, middle = load_pair(args, need_middle=True)
     if args.distributed:
-        if cfg.budget == "auto":
-            raise UsageError("--budget auto profiles the target in this process: give a number with --distributed")
+        if not isinstance(cfg.budget, int):
+            raise UsageError("--budget auto profiles the target in this process: give one number with --distributed")
         with distributed_engine(args, target, middle, TreeConfig(budget=cfg.budget), SamplingParams()) as engine:
             summary = Evaluation(target, middle, cfg, engine=engine).run()
     else:
@@ -186,6 +186,19 @@ def cmd_summary(args) -> int:
     from .evaluate import summarize_folder
 
     return _report(summarize_folder(Path(args.out)), Path(args.out))
+
+
+def _eval_budget(value: str) -> int | str | dict[str, int]:
+    """'auto', N, or METHOD=N,... (e.g. the 'budgets:' line of an earlier run; methods not named: auto)."""
+    if value == "auto" or "=" not in value:
+        return value if value == "auto" else _int_arg("--budget", value)
+    out = {}
+    for item in value.split(","):
+        method, _, n = item.partition("=")
+        if not method.strip() or not n.strip():
+            raise UsageError(f"--budget: {item!r} is not METHOD=N (e.g. all-small=2,all-mid=12)")
+        out[method.strip()] = _int_arg(f"--budget {method.strip()}", n.strip())
+    return out
 
 
 def _int_arg(name: str, value: str) -> int:
@@ -266,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s; also value-planner, oracle) or 5-bit patterns")
     e.add_argument("--prompts-per-benchmark", type=int, default=2)
     e.add_argument("--max-new-tokens", type=int, default=64)
-    e.add_argument("--budget", default="auto", help="nodes verified per round, or 'auto' to fit the device (default)")
+    e.add_argument("--budget", default="auto",
+                   help="nodes verified per round: N, 'auto' to fit the device (default), or METHOD=N,... per method "
+                        "(the others auto; the 'budgets:' line a run prints)")
     e.add_argument("--multi-turn", action="store_true", help="all turns (later turns carry the reference answers)")
     e.add_argument("--scheduler", default=None, metavar="PATH",
                    help="scheduler artifact (treegraft fit) for treegraft, value-planner and oracle (default: the "

@@ -58,7 +58,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     out: Path = Path("out/eval")
     multi_turn: bool = False
-    budget: int | str = 64  # or "auto"
+    budget: int | str | dict = 64  # or "auto", or {method: budget} (the methods not named: auto)
     cache_dir: Path | None = None
     scheduler: Path | None = None  # artifact for treegraft / value-planner / oracle (default: the packaged one)
     pair: tuple[str, str] | None = None  # (target, middle) as named on the command line: selects the artifact
@@ -68,14 +68,23 @@ class EvalConfig:
             raise ValueError(f"--prompts-per-benchmark must be at least 1, got {self.prompts_per_benchmark}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
-            raise ValueError(f"--budget must be 'auto' or an integer >= 1, got {self.budget!r}")
+        if isinstance(self.budget, dict):
+            bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
+            if bad:
+                raise ValueError(f"--budget: every budget must be an integer >= 1, got {bad}")
+        elif self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"--budget must be 'auto', an integer >= 1 or METHOD=N,..., got {self.budget!r}")
         if AR_METHOD not in self.methods:
             self.methods = [AR_METHOD] + list(self.methods)  # the reference every output is checked against
         for m in self.methods:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  "as 01001")
+        if isinstance(self.budget, dict):
+            stray = [m for m in self.budget if m not in self.methods or m in PEER_METHODS or m == AR_METHOD]
+            if stray:
+                raise ValueError(f"--budget names {', '.join(stray)}, which is not one of our tree methods in "
+                                 f"--methods ({', '.join(m for m in self.methods if m not in PEER_METHODS)})")
 
 
 def is_method(m: str) -> bool:
@@ -116,7 +125,7 @@ class Evaluation:
         if engine is not None and ORACLE in cfg.methods:
             raise ValueError("oracle enumerates every schedule with the models in this process: run it without "
                              "--distributed")
-        if engine is not None and (cfg.budget == "auto" or set(cfg.methods) & set(PEER_METHODS)):
+        if engine is not None and (not isinstance(cfg.budget, int) or set(cfg.methods) & set(PEER_METHODS)):
             raise ValueError("a distributed evaluation needs a numeric --budget and runs our methods only: "
                              f"drop {', '.join(PEER_METHODS)} from --methods")
         self.eos = target.eos_ids
@@ -185,16 +194,22 @@ class Evaluation:
 
     def warm_up(self, prompts: list[list[int]]) -> dict[str, Callable]:
         """Untimed requests per method; with --budget auto they also pick each method's budget from the
-        acceptance observed at every candidate budget over all warm-up prompts."""
+        acceptance observed at every candidate budget over all warm-up prompts (a method given its own
+        budget, METHOD=N, keeps it)."""
         runners = {}
-        auto = self.cfg.budget == "auto"
+        fixed = self.cfg.budget if isinstance(self.cfg.budget, dict) else {}
+        ours = [m for m in self.cfg.methods if m not in PEER_METHODS and m != AR_METHOD]
+        auto = self.cfg.budget == "auto" or bool(fixed) and any(m not in fixed for m in ours)
         if auto:
             profile = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
             self.log("verification latency by tree size (ms): "
                      + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
             probes = tuple(profile)  # the sizes worth measuring on this device
         for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
-            if auto and method in ARTIFACT_METHODS and self.scheduler is not None:
+            if method in fixed:
+                self.budgets[method] = fixed[method]
+                self.runner(method, self.budgets[method])(prompts[0], 8)
+            elif auto and method in ARTIFACT_METHODS and self.scheduler is not None:
                 # The scheduler was fitted for one budget: its decisions assume that tree size.
                 self.budgets[method] = int(self.scheduler.info.cost_profile["budget"])
                 self.runner(method, self.budgets[method])(prompts[0], 8)
@@ -208,11 +223,11 @@ class Evaluation:
                     rounds += s.rounds
                 self.budgets[method] = choose_budget(profile, accepted_at, 1e3 * draft_s / max(rounds, 1))
             else:
-                self.budgets[method] = max(CANDIDATES) if auto else self.cfg.budget
+                self.budgets[method] = max(CANDIDATES) if auto or fixed else self.cfg.budget
                 self.runner(method, self.budgets[method])(prompts[0], 8)
             runners[method] = self.runner(method, self.budgets[method])
-        if auto:
-            self.log("chosen budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
+        if auto or fixed:
+            self.log("budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
                                                     if m not in PEER_METHODS and m != AR_METHOD))
         return runners
 
