@@ -190,8 +190,10 @@ def cmd_summary(args) -> int:
 
 def _eval_budget(value: str) -> int | str | dict[str, int]:
     """'auto', N, or METHOD=N,... (e.g. the 'budgets:' line of an earlier run; methods not named: auto)."""
-    if value == "auto" or "=" not in value:
-        return value if value == "auto" else _int_arg("--budget", value)
+    if value == "auto":
+        return value
+    if "=" not in value:
+        return _int_arg("--budget", value)
     out = {}
     for item in value.split(","):
         method, _, n = item.partition("=")

@@ -1,7 +1,8 @@
 """Evaluation: methods x prompts on one model pair, every output checked against plain decoding.
 
 Rows go to DIR/results.parquet (rewritten atomically after every prompt, so an interrupted run keeps
-what it finished; prompts go round-robin over the benchmarks, so that is a balanced subset); the summary to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
+what it finished; prompts go round-robin over the benchmarks, so that is a balanced subset); the summary
+to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
 Speedup of a method on a benchmark = total `ar` wall time / total method wall time over the same prompts,
 prefill included. Methods run interleaved per prompt, so machine noise hits them alike; one warm-up
 request per method (not timed) comes first.
@@ -68,11 +69,8 @@ class EvalConfig:
             raise ValueError(f"--prompts-per-benchmark must be at least 1, got {self.prompts_per_benchmark}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if isinstance(self.budget, dict):
-            bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
-            if bad:
-                raise ValueError(f"--budget: every budget must be an integer >= 1, got {bad}")
-        elif self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
+        one_budget = self.budget == "auto" or isinstance(self.budget, int) and self.budget >= 1
+        if not (one_budget or isinstance(self.budget, dict)):
             raise ValueError(f"--budget must be 'auto', an integer >= 1 or METHOD=N,..., got {self.budget!r}")
         if AR_METHOD not in self.methods:
             self.methods = [AR_METHOD] + list(self.methods)  # the reference every output is checked against
@@ -81,6 +79,9 @@ class EvalConfig:
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  "as 01001")
         if isinstance(self.budget, dict):
+            bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
+            if bad:
+                raise ValueError(f"--budget: every budget must be an integer >= 1, got {bad}")
             stray = [m for m in self.budget if m not in self.methods or m in PEER_METHODS or m == AR_METHOD]
             if stray:
                 raise ValueError(f"--budget names {', '.join(stray)}, which is not one of our tree methods in "
@@ -223,10 +224,10 @@ class Evaluation:
                     rounds += s.rounds
                 self.budgets[method] = choose_budget(profile, accepted_at, 1e3 * draft_s / max(rounds, 1))
             else:
-                self.budgets[method] = max(CANDIDATES) if auto or fixed else self.cfg.budget
+                self.budgets[method] = self.cfg.budget if isinstance(self.cfg.budget, int) else max(CANDIDATES)
                 self.runner(method, self.budgets[method])(prompts[0], 8)
             runners[method] = self.runner(method, self.budgets[method])
-        if auto or fixed:
+        if not isinstance(self.cfg.budget, int):
             self.log("budgets: " + ", ".join(f"{m}: {b}" for m, b in self.budgets.items()
                                                     if m not in PEER_METHODS and m != AR_METHOD))
         return runners
@@ -367,7 +368,8 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
 def summarize_folder(out: Path) -> Summary:
     """The summary of an eval folder's results.parquet, rewritten to summary.md, summary.csv and the chart: for a
     run that was interrupted (its rows hold every prompt it finished) or a folder copied from elsewhere."""
-    path = Path(out) / "results.parquet"
+    out = Path(out)
+    path = out / "results.parquet"
     if not path.is_file():
         raise ValueError(f"{path} does not exist: give the --out folder of a `treegraft eval` run")
     try:
@@ -383,19 +385,22 @@ def summarize_folder(out: Path) -> Summary:
     if AR_METHOD not in methods:
         raise ValueError(f"{path} has no {AR_METHOD!r} rows: speedups are measured against them")
     rows = t.to_pylist()
-    key = lambda r: (r["benchmark"], r["prompt_id"], r.get("turn", 0))  # noqa: E731
     have: dict[tuple, set] = {}
     for r in rows:
-        have.setdefault(key(r), set()).add(r["method"])
+        have.setdefault(_prompt_key(r), set()).add(r["method"])
     # Speedups compare methods on the same prompts: a prompt some method lacks is left out of every mean.
-    rows = [r for r in rows if have[key(r)] == set(methods)]
+    rows = [r for r in rows if have[_prompt_key(r)] == set(methods)]
     if not rows:
         raise ValueError(f"{path}: no prompt has a row for every method ({', '.join(methods)})")
     summary = summarize(pa.Table.from_pylist(rows), methods)
-    summary.write(Path(out))
+    summary.write(out)
     mismatches = [(r["method"], r["benchmark"], r["prompt_id"]) for r in rows
                   if not r["lossless"] and is_ours(r["method"])]
     return dataclasses.replace(summary, mismatches=mismatches)
+
+
+def _prompt_key(row: dict) -> tuple:
+    return row["benchmark"], row["prompt_id"], row.get("turn", 0)
 
 
 def _mean_row(method: str, name: str, per_bench: list[dict]) -> dict:
