@@ -34,7 +34,7 @@ def run(capsys, *argv):
 def test_generate_json_matches_target_greedy(pair_dirs, capsys, method):
     prompt = "abcabcabc hello hello"
     code, out, _ = run(capsys, "generate", "--target", pair_dirs["target"], "--middle", pair_dirs["middle"],
-                       "--prompt", prompt, "--method", method, "--max-new-tokens", "24", "--json")
+                       "--prompt", prompt, "--method", method, "--max-new-tokens", "24", "--dtype", "float32", "--json")
     assert code == 0
     res = json.loads(out)
     ids = pair_dirs["tok"](prompt)["input_ids"]

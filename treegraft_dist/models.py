@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from .hf import CausalLM
+from .precision import auto_dtype
 
 
 class ModelError(ValueError):
@@ -69,8 +70,9 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto": the fastest precision the device runs natively, measured (precision.py); else as named."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]

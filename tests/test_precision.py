@@ -1,0 +1,45 @@
+import os
+
+import torch
+
+from treegraft_dist import precision
+from treegraft_dist.models import ModelError, pick_dtype
+
+
+def test_auto_on_cpu_is_the_measured_choice():
+    choice = precision.auto_choice(torch.device("cpu"))
+    assert choice.dtype in (torch.float32, torch.bfloat16)
+    assert pick_dtype("auto", torch.device("cpu")) == choice.dtype
+    # The reason names the flags and both probe sizes in both precisions.
+    assert "probe" in choice.reason and choice.reason.count("fp32") == 2 and choice.reason.count("bf16") >= 2
+    assert precision.describe(torch.device("cpu")).startswith("--dtype auto on cpu: ")
+
+
+def test_probe_follows_the_timings(monkeypatch):
+    precision.cpu_choice.cache_clear()
+    fast = {torch.float32: 2.0, torch.bfloat16: 1.0}
+    monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: fast[dtype])
+    assert precision.cpu_choice().dtype == torch.bfloat16
+    precision.cpu_choice.cache_clear()
+    # bf16 slower for one decoding step (emulated bf16): fp32 stays.
+    monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: 3.0 if dtype == torch.bfloat16 and rows == 1 else 1.0)
+    assert precision.cpu_choice().dtype == torch.float32
+    precision.cpu_choice.cache_clear()
+
+
+def test_explicit_dtypes_and_bad_names():
+    assert pick_dtype("float32", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    try:
+        pick_dtype("fp8", torch.device("cpu"))
+    except ModelError as e:
+        assert "unknown dtype" in str(e) and "bfloat16" in str(e)
+    else:
+        raise AssertionError("fp8 accepted")
+
+
+def test_cpu_flags_reads_proc_cpuinfo():
+    flags = precision.cpu_flags()
+    assert isinstance(flags, set)
+    if os.path.exists("/proc/cpuinfo") and os.uname().machine == "x86_64":
+        assert "sse2" in flags  # every x86-64 processor has it

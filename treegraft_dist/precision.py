@@ -1,0 +1,90 @@
+"""`--dtype auto`: the fastest floating-point precision the device runs natively, chosen by measurement.
+
+On a GPU that is bfloat16 where the device supports it (float16 otherwise). On a CPU it depends on the
+processor: with native bf16 (avx512_bf16 or AMX) a multi-token bf16 pass is about twice as fast as fp32
+(a draft tree is such a pass), without it bf16 is emulated and slower. The CPU flags are only a hint, so
+the choice is a short probe: the same matrix products as one decoding step (1 row) and as a small tree
+(16 rows) in both precisions, bf16 chosen only when it wins both. It takes well under a second and runs
+once per process; `describe()` says what was measured, for the logs.
+
+Output in bf16 is not bit-identical to fp32; the evaluation's lossless check (lossless.py) tells a
+numerical near-tie from a real mismatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_PROBE_DIM = 2048  # a hidden size of the models this runs (1.5B: 1536, 3B: 2048)
+_PROBE_ROWS = (1, 16)  # one decoding step, a small draft tree
+_PROBE_REPEATS = 7
+
+
+@dataclass(frozen=True)
+class Choice:
+    dtype: torch.dtype
+    reason: str
+
+
+def cpu_flags() -> set[str]:
+    """The processor's feature flags (empty where /proc/cpuinfo does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _matmul_ms(rows: int, dtype: torch.dtype) -> float:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g).to(dtype)  # [out, in], as nn.Linear stores it
+    x = torch.randn(rows, _PROBE_DIM, generator=g).to(dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(_PROBE_REPEATS + 1):
+            t = time.perf_counter()
+            for _ in range(4):
+                torch.nn.functional.linear(x, w)
+            times.append((time.perf_counter() - t) * 1e3 / 4)
+    return statistics.median(times[1:])
+
+
+@functools.cache
+def cpu_choice() -> Choice:
+    ms = {(r, d): _matmul_ms(r, d) for r in _PROBE_ROWS for d in (torch.float32, torch.bfloat16)}
+    wins = all(ms[r, torch.bfloat16] < ms[r, torch.float32] for r in _PROBE_ROWS)
+    native = [f for f in NATIVE_BF16_FLAGS if f in cpu_flags()]
+    probe = ", ".join(f"{r} x {_PROBE_DIM}: fp32 {ms[r, torch.float32]:.2f} ms, bf16 {ms[r, torch.bfloat16]:.2f} ms"
+                      for r in _PROBE_ROWS)
+    flags = f"native bf16 flags: {' '.join(native) or 'none'}"
+    dtype = torch.bfloat16 if wins else torch.float32
+    verdict = "bf16 faster" if wins else "bf16 not faster at every size"
+    return Choice(dtype, f"{flags}; probe {probe} ({verdict})")
+
+
+def auto_choice(device: torch.device) -> Choice:
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Choice(torch.bfloat16, "GPU with bf16 support")
+        return Choice(torch.float16, "GPU without bf16 support")
+    if device.type == "cpu":
+        return cpu_choice()
+    return Choice(torch.float32, f"no bf16 probe for device type {device.type!r}")
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    return auto_choice(device).dtype
+
+
+def describe(device: torch.device) -> str:
+    c = auto_choice(device)
+    return f"--dtype auto on {device}: {str(c.dtype).removeprefix('torch.')} ({c.reason})"
