@@ -27,9 +27,11 @@ import torch
 from tqdm import tqdm
 
 from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt
+from treegraft_dist.budget import CANDIDATES
 from treegraft_dist.collect import (HELD_OUT_BENCHMARKS, MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, CostModel,
-                                    measure_costs, part_name, records_table, write_part)
+                                    part_name, records_table, write_part)
 from treegraft_dist.config import TreeConfig
+from treegraft_dist.device_scheduler import PROFILE_KEY, device_costs, profile_key
 from treegraft_dist.files import write_json
 from treegraft_dist.models import load_model, load_tokenizer
 
@@ -92,9 +94,10 @@ def _measure(cfg: dict, context: list[int]) -> dict:
     cache = Path(cfg["cache_dir"]) if cfg.get("cache_dir") else None
     from treegraft_dist.prepare import cache_root
 
-    cost = measure_costs(target.lm, target.source, middle.lm, middle.source, cache_root(cache), context,
-                         TreeConfig(**cfg["tree"]))
-    return cost.to_dict()
+    cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(cache), context,
+                        TreeConfig(**cfg["tree"]))
+    # A scheduler fitted on these costs as recorded applies on this profile only (device_scheduler.py).
+    return {**cost.to_dict(), PROFILE_KEY: profile_key(target.lm, target.source, middle.lm, middle.source)}
 
 
 class CollectWorker:
@@ -165,7 +168,9 @@ def _manifest(cfg: CollectConfig, worker_cfg: dict, context: list[int], remote_o
         return manifest
     # max_calls=1: the worker process exits afterwards and gives back the memory of both models.
     cost = ray.get(ray.remote(max_calls=1)(_measure).options(**remote_opts).remote(worker_cfg, context))
-    budgets = sorted(int(b) for b in cost["verify_ms"] if int(b) <= cfg.tree.budget)
+    # Every candidate budget, whatever this device's profile: accepted lengths do not depend on the hardware,
+    # so one collection serves the fit for any device (which prices them with its own costs).
+    budgets = [b for b in CANDIDATES if b <= cfg.tree.budget]
     manifest = {"schema_version": SCHEMA_VERSION, **cfg.settings(), "cost_model": cost, "budgets": budgets,
                 "benchmarks": list(cfg.benchmarks), "held_out": list(HELD_OUT_BENCHMARKS),
                 "advance": "accepted length of the round's best schedule at the largest budget"}

@@ -47,7 +47,7 @@ class Coordinator:
     def start(self) -> None:
         """Start the drafters and the target group; PlacementError when the GPUs are not there."""
         cfg = self.cfg
-        self.ngram_host = self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth), NGRAM_BUNDLE,
+        self.ngram_host = self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain), NGRAM_BUNDLE,
                                      self.res.ngram_cpus, 0, "cpu")
         if self.middle_path is not None:
             self.middle_host = self._spawn_middle()

@@ -29,12 +29,13 @@ class NGramSpec:
     max_n: int
     chain: int
     depth: int
+    long_chain: int
 
     def load(self, device: str):
         return None
 
     def new(self, lm) -> NGramDrafter:
-        return NGramDrafter(self.top_k, self.max_n, self.chain, self.depth)
+        return NGramDrafter(self.top_k, self.max_n, self.chain, self.depth, self.long_chain)
 
 
 @dataclass(frozen=True)

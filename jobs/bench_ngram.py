@@ -167,11 +167,11 @@ def main(argv=None) -> None:
     prefill_ms = build_ms(lambda: PrefillCache(top_tokens, top_logprobs))
 
     prompt_list = prompt.tolist()
-    index_ms = build_ms(lambda: NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth).start(prompt_list, prefill))
+    index_ms = build_ms(lambda: NGramDrafter.from_config(cfg).start(prompt_list, prefill))
 
     def run(profiler=None) -> tuple[TimedDrafter, list[int], list[int]]:
         """Warm-up plus measured rounds from the same prompt; returns the drafter, tree sizes, accepted."""
-        drafter = TimedDrafter(NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth), profiler)
+        drafter = TimedDrafter(NGramDrafter.from_config(cfg), profiler)
         drafter.start(prompt_list, prefill)
         drafter.accept([], [first])
         policy = fixed_schedule("all-small", cfg.depth)

@@ -159,7 +159,7 @@ def main(argv=None) -> dict[str, dict[str, float]]:
     stream = repeated_stream(span * requests, rng)
     probe = Probe(cfg)
     policy = CallablePolicy(lambda signals, layer: bool(rng.random() < 0.5), "random-half", needs_signals=False)
-    ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+    ngram = NGramDrafter.from_config(cfg)
     drafters = probe.wrap(ngram, False), probe.wrap(StandInMiddle(cfg, rng), True)
     timer = PhaseTimer(RequestStats(policy.name))
 

@@ -31,7 +31,8 @@ def pair(tmp_path_factory):
 def run(pair, out, *extra):
     return main(["collect", "--target", pair[0], "--middle", pair[1], "--device", "cpu", "--out", str(out),
                  "--benchmarks", "gsm8k,humaneval", "--prompts-per-benchmark", "2", "--max-new-tokens", "10",
-                 "--budget", "16", "--cpus-per-actor", "0.5", "--cache-dir", str(out.parent / "cache"), *extra])
+                 "--budget", "16", "--cpus-per-actor", "0.5", "--cache-dir", str(out.parent / "cache"),
+                 "--dtype", "float32", *extra])
 
 
 def test_collect_writes_one_part_per_prompt_and_resumes_without_duplicates(cluster, pair, tmp_path, capsys):
@@ -92,10 +93,14 @@ def test_collect_fit_generate_from_the_command_line(cluster, pair, tmp_path, cap
     assert "| oracle |" in report and "chosen" in report and art.is_file()
     common = ["generate", "--target", pair[0], "--middle", pair[1], "--device", "cpu", "--prompt", "def f(x):",
               "--max-new-tokens", "12", "--json", "--budget", "16"]
-    assert main(common + ["--method", "ar"]) == 0
+    assert main(common + ["--method", "ar", "--dtype", "float32"]) == 0
     ar = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main(common + ["--method", "treegraft", "--scheduler", str(art)]) == 0
+    assert main(common + ["--method", "treegraft", "--scheduler", str(art), "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == ar
+    # Fitted on float32 costs: never applied silently in another precision (another cost profile).
+    assert main(common + ["--method", "treegraft", "--scheduler", str(art), "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "fitted for the cost profile" in err and "float32" in err and "bfloat16" in err
     # The artifact belongs to this pair: with the roles swapped it is refused.
     swapped = ["generate", "--target", pair[1], "--middle", pair[0], "--prompt", "x", "--method", "treegraft",
                "--scheduler", str(art)]

@@ -182,6 +182,27 @@ def test_chain_length_is_min_of_chain_and_remaining_depth(depth, chain, layer, w
     assert prop.scores.tolist() == [0.0] * len(prop)  # no prefill cache: every log-prob is 0
 
 
+@pytest.mark.parametrize("long_chain, layer, f, want_chain", [
+    (0, 1, 0, [4, 5, 6, 7]),  # the published settings: min(chain, depth - layer)
+    (6, 1, 0, [4, 5, 6, 7, 8, 11]),  # past depth 5: the root's best match copies 6 tokens
+    (2, 1, 0, [4, 5, 6, 7]),  # never shorter than the published chain
+    (6, 2, 0, [4, 5, 6]),  # only at the first layer
+])
+def test_long_chain_copies_past_the_depth_from_the_root_at_layer_one(long_chain, layer, f, want_chain):
+    d = drafter(P, None, long_chain=long_chain)
+    prop = d.step(DraftTree(P[-1]), np.array([f]), layer)
+    chain_parents = [0] + [1 + i for i in range(len(want_chain))]
+    assert entries(prop) == list(zip(chain_parents, [3] + want_chain)) + [(0, 30)]
+
+
+def test_long_chain_is_for_the_root_only():
+    d = drafter(P, None, long_chain=6)
+    tree = DraftTree(P[-1])
+    tree.graft(Proposal(1, np.array([0]), np.array([3]), np.array([0.0]), ORIGIN_MIDDLE), 1)
+    prop = d.step(tree, np.array([1]), 1)  # a non-root frontier node at layer 1: published chain length
+    assert [t for _, t in entries(prop)][:5] == [4, 5, 6, 7, 8]
+
+
 def test_chain_stops_at_the_end_of_the_context():
     d = drafter(A)
     prop = d.step(DraftTree(A[-1]), np.array([0]), 1)

@@ -6,25 +6,38 @@ from treegraft_dist import precision
 from treegraft_dist.models import ModelError, pick_dtype
 
 
-def test_auto_on_cpu_is_the_measured_choice():
+def test_auto_on_cpu_follows_the_flags_or_the_probe():
     choice = precision.auto_choice(torch.device("cpu"))
-    assert choice.dtype in (torch.float32, torch.bfloat16)
     assert pick_dtype("auto", torch.device("cpu")) == choice.dtype
-    # The reason names the flags and both probe sizes in both precisions.
-    assert "probe" in choice.reason and choice.reason.count("fp32") == 2 and choice.reason.count("bf16") >= 2
+    native = [f for f in precision.NATIVE_BF16_FLAGS if f in precision.cpu_flags()]
+    if native:
+        assert choice.dtype == torch.bfloat16 and native[0] in choice.reason
+    else:
+        assert "probe" in choice.reason
     assert precision.describe(torch.device("cpu")).startswith("--dtype auto on cpu: ")
 
 
 def test_probe_follows_the_timings(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2"})
     precision.cpu_choice.cache_clear()
     fast = {torch.float32: 2.0, torch.bfloat16: 1.0}
     monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: fast[dtype])
-    assert precision.cpu_choice().dtype == torch.bfloat16
+    choice = precision.cpu_choice()
+    assert choice.dtype == torch.bfloat16 and "fp32 2.00 ms, bf16 1.00 ms" in choice.reason
     precision.cpu_choice.cache_clear()
     # bf16 slower for one decoding step (emulated bf16): fp32 stays.
     monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: 3.0 if dtype == torch.bfloat16 and rows == 1 else 1.0)
     assert precision.cpu_choice().dtype == torch.float32
+    # Native flags decide without a probe.
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
     precision.cpu_choice.cache_clear()
+    assert precision.cpu_choice().dtype == torch.bfloat16
+    precision.cpu_choice.cache_clear()
+
+
+def test_the_real_probe_measures_both_precisions():
+    wins, text = precision.probe()
+    assert isinstance(wins, bool) and text.count("fp32") == 2 and text.count("bf16") >= 2
 
 
 def test_explicit_dtypes_and_bad_names():

@@ -21,31 +21,59 @@ def test_default_pair_loads_and_shares_one_vocabulary():
         assert model.get_input_embeddings().weight.shape[0] >= len(target_tok)
 
 
+QUESTIONS = ("Write a Python function that returns the n-th Fibonacci number.",
+             "What is the capital of France? Answer in one sentence.")
+
+
+def _prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for q in QUESTIONS]
+
+
 def test_default_pair_is_lossless_on_short_prompts():
-    from treegraft_dist.config import TreeConfig
     from treegraft_dist.engine import Decoder
     from treegraft_dist.models import check_pair, load_model
-    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
-    from treegraft_dist.scheduler import default_artifact
-    from treegraft_dist.value import ValuePlanner, load_artifact
 
     target_dir, middle_dir = prepare_default_models()
     target = load_model(str(target_dir), "cpu", "float32")
     middle = load_model(str(middle_dir), "cpu", "float32")
     check_pair(target, middle)
     decoder = Decoder(target.lm, middle.lm)
-    # The scheduler that ships for this pair loads for it and, at its budget, decodes losslessly too.
-    scheduler, heads = load_artifact(default_artifact((DEFAULT_TARGET, DEFAULT_MIDDLE)),
-                                     expect_pair=(DEFAULT_TARGET, DEFAULT_MIDDLE))
-    cfg = TreeConfig(budget=scheduler.info.cost_profile["budget"])
-    scheduled = Decoder(target.lm, middle.lm, cfg)
-    for question in ("Write a Python function that returns the n-th Fibonacci number.",
-                     "What is the capital of France? Answer in one sentence."):
-        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+    for prompt in _prompts(target.tokenizer):
         reference = decoder.generate(prompt, 24, "ar", target.eos_ids).tokens
         assert len(reference) > 0
-        for method in ("all-small", "all-mid"):
+        for method in ("all-small", "all-mid", "10000"):
             assert decoder.generate(prompt, 24, method, target.eos_ids).tokens == reference, method
-        for policy in (scheduler, ValuePlanner(heads, scheduler.info.cost_profile["call_cap"])):
-            assert scheduled.generate(prompt, 24, policy, target.eos_ids).tokens == reference, policy.name
+
+
+def test_default_pair_in_bf16_with_the_scheduler_fitted_for_this_device(tmp_path):
+    """The default path: bf16, the scheduler fitted here from the shipped trajectories, every method exact or a
+    near-tie of the target's own logits (never a mismatch)."""
+    import torch
+
+    from treegraft_dist.config import TreeConfig
+    from treegraft_dist.device_scheduler import PROFILE_KEY, profile_key, resolve_scheduler
+    from treegraft_dist.engine import Decoder
+    from treegraft_dist.lossless import MISMATCH, classify
+    from treegraft_dist.models import load_model
+    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, cache_root
+    from treegraft_dist.value import ValuePlanner
+
+    target_dir, middle_dir = prepare_default_models()
+    target = load_model(str(target_dir), "cpu", "bfloat16")
+    middle = load_model(str(middle_dir), "cpu", "bfloat16")
+    assert target.lm.dtype == torch.bfloat16
+    prompts = _prompts(target.tokenizer)
+    scheduler, heads = resolve_scheduler(None, (DEFAULT_TARGET, DEFAULT_MIDDLE), target.lm, target.source, middle.lm,
+                                         middle.source, cache_root(None), prompts[0], TreeConfig())
+    key = profile_key(target.lm, target.source, middle.lm, middle.source)
+    assert scheduler.info.cost_profile[PROFILE_KEY] == key and "bfloat16" in key
+    budget = scheduler.info.cost_profile["budget"]
+    decoder = Decoder(target.lm, middle.lm, TreeConfig(budget=budget))
+    policies = ("all-small", "all-mid", scheduler, ValuePlanner(heads, scheduler.info.cost_profile["call_cap"]))
+    for prompt in prompts:
+        reference = decoder.generate(prompt, 24, "ar", target.eos_ids).tokens
+        for policy in policies:
+            tokens = decoder.generate(prompt, 24, policy, target.eos_ids).tokens
+            check = classify(target.lm, prompt, reference, tokens)
+            assert check.verdict != MISMATCH, (getattr(policy, "name", policy), check)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+import re
 import statistics
 import sys
 import time
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .files import write_json
 from .hf import CausalLM, compact_cache
+from .precision import cpu_model
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention
 
@@ -59,7 +60,9 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "-")
-    return f"cpu-{platform.machine()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+    # Costs differ between processors of one architecture (AMX or not, cache sizes): the model name is part of it.
+    model = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    return f"cpu-{model}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
 
 
 def model_key(lm: CausalLM, source: str) -> str:

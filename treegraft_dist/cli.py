@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from . import precision
-from .benchmarks import BENCHMARKS, builtin
+from .benchmarks import BENCHMARKS, builtin, chat_prompt
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
 from .evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
@@ -45,13 +46,22 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=d.depth, help="drafting layers per round D (default %(default)s)")
     p.add_argument("--tree-k", type=int, default=d.top_k, help="children per node and frontier size K (default %(default)s)")
     p.add_argument("--lookback", type=int, default=d.lookback, help="expanded-pool lookback L (default %(default)s)")
-    p.add_argument("--budget", type=int, default=d.budget, help="nodes verified per round, root included (default %(default)s)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"nodes verified per round, root included (default {d.budget}; with --method treegraft the "
+                        "budget its scheduler was fitted for)")
+    p.add_argument("--long-chain", type=int, default=d.long_chain,
+                   help="tokens the root's best n-gram match may copy past the layers' depth (default %(default)s; "
+                        "0 = the published settings)")
 
 
 def tree_config(args) -> TreeConfig:
-    if args.budget < 1:
-        raise UsageError(f"--budget must be at least 1 (the root), got {args.budget}")
-    return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=args.budget)
+    budget = TreeConfig.budget if args.budget is None else args.budget
+    if budget < 1:
+        raise UsageError(f"--budget must be at least 1 (the root), got {budget}")
+    if args.long_chain < 0:
+        raise UsageError(f"--long-chain must be >= 0, got {args.long_chain}")
+    return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=budget,
+                      long_chain=args.long_chain)
 
 
 def resolve_pair(args, need_middle: bool) -> tuple[str, object, str | None, object]:
@@ -98,17 +108,26 @@ def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cf
                              args.dtype)
 
 
-def treegraft_policy(args):
-    """The learned scheduler for this pair (--scheduler, or the artifact shipped for it), else the heuristic."""
+def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prompt: list[int]):
+    """The learned scheduler for this pair and device (--scheduler, or the one fitted here from the trajectories
+    shipped for the pair), else the heuristic."""
+    from .device_scheduler import resolve_scheduler
+    from .prepare import cache_root
     from .schedule import ShallowTreeHeuristic
-    from .scheduler import LearnedScheduler, default_artifact
+    from .value import load_artifact
 
-    path = args.scheduler or default_artifact((args.target, args.middle))
-    if path is None:
-        print("treegraft: no scheduler artifact for this pair, running the shallow-tree heuristic "
-              "(see `treegraft fit`)", file=sys.stderr)
+    pair = (args.target, args.middle)
+    if args.distributed:
+        found = load_artifact(args.scheduler, expect_pair=pair) if args.scheduler else None
+    else:
+        found = resolve_scheduler(args.scheduler, pair, target.lm, target.source, middle.lm, middle.source,
+                                  cache_root(args.cache_dir), prompt, tree_config(args),
+                                  lambda m: print(f"treegraft: {m}", file=sys.stderr))
+    if found is None:
+        print("treegraft: no scheduler for this pair, running the shallow-tree heuristic (see `treegraft fit`)",
+              file=sys.stderr)
         return ShallowTreeHeuristic()
-    return LearnedScheduler.load(path, expect_pair=(args.target, args.middle))
+    return found[0]
 
 
 def cmd_generate(args) -> int:
@@ -119,9 +138,7 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cfg = tree_config(args)
     method = args.method
-    if method == "treegraft":
-        method = treegraft_policy(args)
-    elif method != AR_METHOD:
+    if method not in (AR_METHOD, "treegraft"):
         fixed_schedule(method, cfg.depth)  # validates the pattern before any model is loaded
     uses_middle = args.method not in (AR_METHOD, "all-small")
     target, middle = load_pair(args, uses_middle)
@@ -138,6 +155,11 @@ def cmd_generate(args) -> int:
         raise UsageError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed the "
                          f"target's context ({target.max_positions} positions, {cfg.max_tree_depth + 1} kept for the "
                          "draft tree): shorten the prompt or ask for fewer tokens")
+    if method == "treegraft":
+        method = treegraft_policy(args, target, middle, list(prompt))
+        fitted = getattr(method, "info", None)
+        if fitted is not None and args.budget is None:  # the tree size the scheduler was fitted for
+            cfg = dataclasses.replace(cfg, budget=int(fitted.cost_profile["budget"]))
     if args.distributed:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
             gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
@@ -241,11 +263,31 @@ def cmd_fit(args) -> int:
     if not 0 < args.heldout_fraction < 1:
         raise UsageError(f"--heldout-fraction must be between 0 and 1, got {args.heldout_fraction}")
     traj = read_trajectories(args.data)
+    extra = {}
+    if args.for_device:
+        traj, extra = _priced_for_this_device(args, traj)
     _, _, report = fit(traj, args.out, budget, args.heldout_fraction, args.seed,
-                       log=lambda m: print(m, file=sys.stderr))
+                       log=lambda m: print(m, file=sys.stderr), **extra)
     print(report.table())
     print(f"\nartifact: {args.out}")
     return 0
+
+
+def _priced_for_this_device(args, traj):
+    """The trajectories priced with this device's cost profile (the pair they record, loaded here), and the
+    fit arguments that stamp the artifact with that profile."""
+    from .device_scheduler import PROFILE_KEY, device_costs, measured_budgets, priced, profile_key
+    from .prepare import cache_root
+
+    names = traj.manifest["pair"]
+    srcs = [resolve_model_path(n, args.cache_dir) for n in names]
+    target, middle = (load_model(src, args.device, args.dtype) for src in srcs)
+    prompt = chat_prompt(target.tokenizer, [builtin("humaneval")[-1].turns[0]], [])
+    tree = TreeConfig(**traj.manifest["tree"])
+    cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(args.cache_dir), prompt, tree)
+    key = profile_key(target.lm, target.source, middle.lm, middle.source)
+    print(f"treegraft: fitting for this device's profile {key}", file=sys.stderr)
+    return priced(traj, cost), {"budgets": measured_budgets(traj, cost), "profile": {PROFILE_KEY: key}}
 
 
 def cmd_prepare(args) -> int:
@@ -305,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget", default="auto", help="recorded tree budget to fit for, or 'auto' (default)")
     f.add_argument("--heldout-fraction", type=float, default=0.25, help="share of prompts held out (default %(default)s)")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--for-device", action="store_true",
+                   help="price the trajectories with this machine's measured costs (--device, --dtype) and fit for "
+                        "them; without it the fit uses the costs recorded where they were collected")
+    f.add_argument("--device", default="auto", help="with --for-device: cpu, cuda, ... (default: cuda if available)")
+    f.add_argument("--dtype", default="auto", help="with --for-device: the precision to measure (default: auto)")
+    f.add_argument("--cache-dir", default=None, help="with --for-device: where models and profiles are cached")
     f.set_defaults(func=cmd_fit)
 
     c = sub.add_parser("collect", help="scheduler trajectories: every round under all 32 schedules (Ray Data)")

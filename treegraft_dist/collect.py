@@ -146,7 +146,7 @@ def cpu_step_costs(context: list[int], cfg: TreeConfig, repeats: int = 200) -> t
     """Median ms of (one n-gram step, one scheduler call) over trees grown on `context` (a real prompt)."""
     from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
 
-    ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+    ngram = NGramDrafter.from_config(cfg)
     ngram.start(list(context), None)
     policy = LearnedScheduler(SchedulerMLP(), SchedulerInfo(("", "")))
     ctx = context_signals(len(context), Timings(1.0, 1.0))
@@ -276,7 +276,7 @@ class Collector:
         limit = len(truncate(ref, max_new_tokens, eos))
         # The context signals use the timings of the largest budget; fitting rewrites them per budget.
         context = context_signals(len(prompt), self.cost.timings(max(self.budgets)))
-        ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+        ngram = NGramDrafter.from_config(cfg)
         middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback)
         for d in (ngram, middle):
             d.start(prompt, prefill)

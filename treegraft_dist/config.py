@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass
 class TreeConfig:
     """depth D drafting layers; top_k K children per expanded node and frontier size; lookback L of the
     expanded candidate pool; budget = nodes verified per round (root included); max_n = longest n-gram
-    matched; chain = extra tokens the best n-gram match adds below its child; call_budget = most middle
-    calls per round (None: no limit beyond the schedule)."""
+    matched; chain = extra tokens the best n-gram match adds below its child; long_chain = tokens the
+    root's best match may add at the first layer past the depth the layers reach (0: the published
+    settings; see ngram.py); call_budget = most middle calls per round (None: no limit beyond the
+    schedule)."""
 
     depth: int = 5
     top_k: int = 10
@@ -18,13 +20,14 @@ class TreeConfig:
     budget: int = 64
     max_n: int = 5
     chain: int = 4
+    long_chain: int = 12
     call_budget: int | None = None
 
     def __post_init__(self):
         for name in ("depth", "top_k", "budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("lookback", "chain"):
+        for name in ("lookback", "chain", "long_chain"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.call_budget is not None and self.call_budget < 0:
@@ -33,8 +36,10 @@ class TreeConfig:
     @property
     def max_tree_depth(self) -> int:
         """Deepest node a round can create: each 1-based layer l adds one level plus an n-gram chain of
-        at most min(chain, depth - l) further tokens."""
-        return sum(1 + min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1))
+        at most min(chain, depth - l) further tokens (at least long_chain at the first layer)."""
+        chains = [min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1)]
+        chains[0] = max(chains[0], self.long_chain)
+        return sum(1 + c for c in chains)
 
     def to_dict(self) -> dict:
         return asdict(self)

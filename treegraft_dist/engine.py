@@ -118,7 +118,7 @@ class Decoder:
         if max_new:
             with timer.phase("prefill"):
                 first, prefill = verifier.prefill(prompt)
-            ngram = NGramDrafter(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth)
+            ngram = NGramDrafter.from_config(cfg)
             middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback) if self.middle is not None else None
             drafters = [d for d in (ngram, middle) if d is not None]
             for d in drafters:

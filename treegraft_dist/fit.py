@@ -69,11 +69,11 @@ def reference_speeds(rounds: Rounds, max_calls: int | None) -> dict[str, float]:
 
 
 def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_fit: dict | None = None,
-                  log=print) -> dict[int, dict[str, float]]:
-    """Per recorded budget, held-out tokens/s (cost model) of: the value heads on all 17 signals followed
-    greedily (what a scheduler can reach there), the capped oracle, all-small and all-mid."""
+                  log=print, budgets: tuple[int, ...] | None = None) -> dict[int, dict[str, float]]:
+    """Per recorded budget (or per one of `budgets`), held-out tokens/s (cost model) of: the value heads on all
+    17 signals followed greedily (what a scheduler can reach there), the capped oracle, all-small and all-mid."""
     out = {}
-    for b in traj.budgets:
+    for b in budgets or traj.budgets:
         cap = call_cap(traj.cost, b)
         train, held = split_rounds(traj.rounds(b), heldout_fraction, seed)
         heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed, **(value_fit or {}))
@@ -128,11 +128,15 @@ class FitReport:
 
 def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_fraction: float = 0.25,
         seed: int = 0, candidates: dict[str, tuple[str, ...]] = CANDIDATE_SUBSETS, value_fit: dict | None = None,
-        scheduler_fit: dict | None = None, log=print) -> tuple[LearnedScheduler, ValueHeads, FitReport]:
+        scheduler_fit: dict | None = None, log=print, budgets: tuple[int, ...] | None = None,
+        profile: dict | None = None) -> tuple[LearnedScheduler, ValueHeads, FitReport]:
+    """`budgets`: the candidates when choosing the budget (default: every recorded one); `profile`: extra
+    entries for the artifact's cost profile (e.g. the key of the device profile it is fitted for)."""
     by_budget = {}
     if budget is None:
-        log(f"choosing the budget among {list(traj.budgets)} (value heads on all signals, held-out prompts)")
-        by_budget = budget_speeds(traj, heldout_fraction, seed, value_fit, log)
+        budgets = budgets or traj.budgets
+        log(f"choosing the budget among {list(budgets)} (value heads on all signals, held-out prompts)")
+        by_budget = budget_speeds(traj, heldout_fraction, seed, value_fit, log, budgets)
         budget = choose_budget(by_budget)
     cap = call_cap(traj.cost, budget)
     rounds = traj.rounds(budget)
@@ -165,7 +169,7 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
     report = FitReport(budget, cap, best, len(train), len(held), scored, held_speed, agreement, by_budget)
     info = SchedulerInfo(
         tuple(traj.manifest["pair"]),
-        {**traj.manifest["cost_model"], "budget": budget, "call_cap": cap},
+        {**traj.manifest["cost_model"], **(profile or {}), "budget": budget, "call_cap": cap},
         {"train": sorted(set(train.prompt_ids.tolist())), "heldout": sorted(set(held.prompt_ids.tolist())),
          "benchmarks": sorted(set(rounds.benchmarks.tolist())), "held_out_benchmarks": ["mt_bench"],
          "seed": seed, "heldout_fraction": heldout_fraction},

@@ -5,6 +5,12 @@ n-gram (n = max_n .. 1) that occurred earlier in the context; each occurrence pr
 followed it. Children rank by longer match first, then more recent occurrence, then score; a child may
 carry the chain of tokens that followed its occurrence (several depths in one step); only the best
 match of each parent does.
+
+Long chains (an extension beyond the published settings, `long_chain` > 0): at the first layer the
+root's best match carries up to `long_chain` tokens of what followed it, past the depth the layers
+would reach. Where text repeats (code edits, summaries quoting their source) a round can then accept
+a whole copied span, as prompt lookup decoding does; a chain is cheap to verify, and pruning by score
+drops it where the target's prefill log-probs say the copy is unlikely to continue.
 """
 
 from __future__ import annotations
@@ -101,13 +107,19 @@ class NGramDrafter:
 
     origin = ORIGIN_NGRAM
 
-    def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5):
+    def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0):
         self.top_k = top_k
         self.max_n = max_n
         self.chain = chain
         self.depth = depth
+        self.long_chain = long_chain
         self.index = NGramIndex(max_n)
         self.prefill: PrefillCache | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "NGramDrafter":
+        """The drafter a TreeConfig describes."""
+        return cls(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain)
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.index = NGramIndex(self.max_n)
@@ -125,6 +137,7 @@ class NGramDrafter:
         k = self.top_k
         # Chains stop at the depth the last layer would reach one level at a time.
         max_chain = min(self.chain, self.depth - layer)
+        root_chain = max(max_chain, self.long_chain) if layer == 1 else max_chain
         ctx = self.index.tokens
         n_ngram_children = None
         parents, tokens, scores = [], [], []
@@ -157,7 +170,7 @@ class NGramDrafter:
                 tokens.append(ctx[p])
                 scores.append(score)
                 # Only the best match carries its chain: enough depth without multiplying the tree.
-                chain_end = p + 1 + min(self.chain, max_chain) if rank == 0 else p + 1
+                chain_end = p + 1 + (root_chain if f == 0 else max_chain) if rank == 0 else p + 1
                 for q in range(p + 1, min(chain_end, len(ctx))):
                     parent = base + len(tokens) - 1
                     score = score + self._logprob(q, ctx[q])

@@ -2,10 +2,14 @@
 
 On a GPU that is bfloat16 where the device supports it (float16 otherwise). On a CPU it depends on the
 processor: with native bf16 (avx512_bf16 or AMX) a multi-token bf16 pass is about twice as fast as fp32
-(a draft tree is such a pass), without it bf16 is emulated and slower. The CPU flags are only a hint, so
-the choice is a short probe: the same matrix products as one decoding step (1 row) and as a small tree
-(16 rows) in both precisions, bf16 chosen only when it wins both. It takes well under a second and runs
-once per process; `describe()` says what was measured, for the logs.
+(a draft tree is such a pass, BENCHMARKS.md has the figures), without it bf16 is emulated and slower.
+Where the flags name native bf16 that decides it. Where they do not (another architecture, a virtual
+machine that hides them) a short probe measures: the same matrix products as one decoding step (1 row)
+and as a small tree (16 rows) in both precisions, bf16 chosen only when it wins both, each timing the
+best of several repeats so a busy machine does not flip it. It takes well under a second and runs once
+per process; `describe()` says which way it was decided and what was measured, for the logs. The
+flags come first because a probe on a loaded machine is noisy, and two processes of one run (the
+driver and a Ray worker) must not choose differently.
 
 Output in bf16 is not bit-identical to fp32; the evaluation's lossless check (lossless.py) tells a
 numerical near-tie from a real mismatch.
@@ -14,7 +18,7 @@ numerical near-tie from a real mismatch.
 from __future__ import annotations
 
 import functools
-import statistics
+import platform
 import time
 from dataclasses import dataclass
 
@@ -32,16 +36,26 @@ class Choice:
     reason: str
 
 
-def cpu_flags() -> set[str]:
-    """The processor's feature flags (empty where /proc/cpuinfo does not exist)."""
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The processor's feature flags (empty where /proc/cpuinfo does not exist)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The processor's model name, e.g. "Intel(R) Xeon(R) Platinum 8488C" (the machine type elsewhere)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _matmul_ms(rows: int, dtype: torch.dtype) -> float:
@@ -55,20 +69,25 @@ def _matmul_ms(rows: int, dtype: torch.dtype) -> float:
             for _ in range(4):
                 torch.nn.functional.linear(x, w)
             times.append((time.perf_counter() - t) * 1e3 / 4)
-    return statistics.median(times[1:])
+    return min(times[1:])  # the best repeat: another process's burst only ever slows one down
+
+
+def probe() -> tuple[bool, str]:
+    """(bf16 faster at every probed size, what was measured)."""
+    ms = {(r, d): _matmul_ms(r, d) for r in _PROBE_ROWS for d in (torch.float32, torch.bfloat16)}
+    wins = all(ms[r, torch.bfloat16] < ms[r, torch.float32] for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} x {_PROBE_DIM}: fp32 {ms[r, torch.float32]:.2f} ms, bf16 {ms[r, torch.bfloat16]:.2f} ms"
+                     for r in _PROBE_ROWS)
+    return wins, f"probe {text} ({'bf16 faster' if wins else 'bf16 not faster at every size'})"
 
 
 @functools.cache
 def cpu_choice() -> Choice:
-    ms = {(r, d): _matmul_ms(r, d) for r in _PROBE_ROWS for d in (torch.float32, torch.bfloat16)}
-    wins = all(ms[r, torch.bfloat16] < ms[r, torch.float32] for r in _PROBE_ROWS)
     native = [f for f in NATIVE_BF16_FLAGS if f in cpu_flags()]
-    probe = ", ".join(f"{r} x {_PROBE_DIM}: fp32 {ms[r, torch.float32]:.2f} ms, bf16 {ms[r, torch.bfloat16]:.2f} ms"
-                      for r in _PROBE_ROWS)
-    flags = f"native bf16 flags: {' '.join(native) or 'none'}"
-    dtype = torch.bfloat16 if wins else torch.float32
-    verdict = "bf16 faster" if wins else "bf16 not faster at every size"
-    return Choice(dtype, f"{flags}; probe {probe} ({verdict})")
+    if native:
+        return Choice(torch.bfloat16, f"native bf16: {' '.join(native)}")
+    wins, measured = probe()
+    return Choice(torch.bfloat16 if wins else torch.float32, f"no native bf16 flag; {measured}")
 
 
 def auto_choice(device: torch.device) -> Choice:

@@ -1,0 +1,146 @@
+"""The scheduler for the device it runs on: shipped trajectories priced with this device's measured costs.
+
+What a draft tree accepts under each schedule and budget depends on the models and the tree settings
+only; what a schedule costs depends on the device, the precision and the threads. The two are kept
+apart:
+  trajectories  (hardware-independent) accepted lengths, pruned sizes and middle-drafter forward sizes of
+                every round under all 32 schedules at every candidate budget; collected once with
+                `treegraft collect` and shipped for the embedded pair (data/trajectories/);
+  cost profile  (per model pair, device, dtype, threads) target verification by tree size, middle forward
+                by tokens, n-gram step and scheduler call; measured once and cached as JSON;
+  artifact      the scheduler fitted on the trajectories priced with one profile (`fit.fit`, the budget
+                chosen among the tree sizes that profile measured, so it follows the device); cached,
+                keyed by the profile, and stamped with the profile's key.
+On first use on a device the profile is measured and the scheduler fitted (a minute or two on a CPU);
+later runs load both from the cache. An artifact is only ever applied on the profile it was fitted
+for: `check_profile` refuses any other, with what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from .budget import device_name, model_key
+from .collect import CostModel, Trajectories, measure_costs, read_trajectories
+from .config import TreeConfig
+from .files import write_json
+from .hf import CausalLM
+from .scheduler import LearnedScheduler, SchedulerArtifactError
+from .value import ValueHeads, load_artifact
+
+PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
+DATA_DIR = Path(__file__).parent / "data" / "trajectories"
+# Trajectories shipped per (target, middle) as named on the command line; `make trajectories` rebuilds them.
+SHIPPED_TRAJECTORIES = {
+    ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):
+        DATA_DIR / "qwen2.5-coder-1.5b+0.5b-instruct",
+}
+
+
+def shipped_trajectories(pair: tuple[str, str] | None) -> Path | None:
+    folder = SHIPPED_TRAJECTORIES.get(tuple(pair)) if pair else None
+    return folder if folder is not None and (folder / "collect.json").is_file() else None
+
+
+def profile_key(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str) -> str:
+    """(model pair with its dtype, device with its threads) as one file-name-safe string."""
+    return f"{model_key(target, target_source)}+{model_key(middle, middle_source)}--{device_name(target.device)}"
+
+
+def device_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
+                 context: list[int], tree: TreeConfig) -> CostModel:
+    """The cost profile of this pair on this device, measured on first use and cached as JSON."""
+    key = profile_key(target, target_source, middle, middle_source)
+    path = cache_dir / "profiles" / f"{key}--costs.json"
+    if path.is_file():
+        return CostModel.from_dict(json.loads(path.read_text()))
+    cost = measure_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
+    write_json(path, cost.to_dict())
+    return cost
+
+
+def priced(traj: Trajectories, cost: CostModel) -> Trajectories:
+    """The same rounds with latencies from `cost` (the recorded ones are the collecting device's)."""
+    return Trajectories({**traj.manifest, "cost_model": cost.to_dict()}, traj.table)
+
+
+def measured_budgets(traj: Trajectories, cost: CostModel) -> tuple[int, ...]:
+    """Recorded budgets this device measured: a size it did not (too slow to ever pay) is not a candidate."""
+    budgets = tuple(b for b in traj.budgets if b in cost.verify_ms)
+    if not budgets:
+        raise ValueError(f"none of the recorded budgets {list(traj.budgets)} was measured on this device "
+                         f"({sorted(cost.verify_ms)}): collect trajectories with these sizes")
+    return budgets
+
+
+def fit_for_device(traj: Trajectories, cost: CostModel, key: str, out: Path, log=print
+                   ) -> tuple[LearnedScheduler, ValueHeads]:
+    """Fit the scheduler for one cost profile and write it to `out`, stamped with the profile's key."""
+    from .fit import fit
+
+    scheduler, heads, report = fit(priced(traj, cost), out, budgets=measured_budgets(traj, cost),
+                                   profile={PROFILE_KEY: key}, log=log)
+    log(report.table())
+    return scheduler, heads
+
+
+def check_profile(scheduler: LearnedScheduler, key: str, where: str) -> None:
+    fitted = scheduler.info.cost_profile.get(PROFILE_KEY)
+    if fitted != key:
+        raise SchedulerArtifactError(
+            f"{where} was fitted for the cost profile {fitted or '(none recorded)'}, not this one ({key}); its "
+            "decisions, budget and call cap assume another device: drop --scheduler to fit one here from the "
+            "shipped trajectories, or `treegraft fit --data DIR --for-device` on this machine")
+
+
+def same_drafting(a: TreeConfig, b: TreeConfig) -> bool:
+    """Whether two tree configs grow the same trees (the budget and the call budget are chosen per device)."""
+    free = {"budget": 0, "call_budget": None}
+    return dataclasses.replace(a, **free) == dataclasses.replace(b, **free)
+
+
+def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source: str, middle: CausalLM,
+                         middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig, log=print
+                         ) -> tuple[LearnedScheduler, ValueHeads] | None:
+    """The scheduler fitted for this device from the trajectories shipped for `pair`: loaded from the cache,
+    or measured and fitted now and cached. None where none ship for the pair or they were collected with
+    other tree settings than `tree` (their accepted lengths would not be this engine's)."""
+    folder = shipped_trajectories(pair)
+    if folder is None:
+        return None
+    traj = read_trajectories(folder)
+    collected = TreeConfig(**traj.manifest["tree"])
+    if not same_drafting(collected, tree):
+        log(f"the shipped trajectories were collected with other tree settings ({collected}) than these ({tree})")
+        return None
+    tree = collected
+    key = profile_key(target, target_source, middle, middle_source)
+    # The data's identity is part of the name: new shipped trajectories mean a new fit.
+    digest = hashlib.sha256(json.dumps(traj.manifest, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir / "schedulers" / f"{key}--{digest}.npz"
+    if path.is_file():
+        scheduler, heads = load_artifact(path, expect_pair=pair)
+    else:
+        cost = device_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
+        log(f"fitting the scheduler for this device ({key}) from {folder.name} "
+            f"({traj.table.num_rows} rounds); cached at {path}")
+        scheduler, heads = fit_for_device(traj, cost, key, path, log=lambda m: print(m, file=sys.stderr))
+    check_profile(scheduler, key, f"scheduler artifact {str(path)!r}")
+    return scheduler, heads
+
+
+def resolve_scheduler(path: str | Path | None, pair: tuple[str, str] | None, target: CausalLM, target_source: str,
+                      middle: CausalLM, middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig,
+                      log=print) -> tuple[LearnedScheduler, ValueHeads | None] | None:
+    """The `treegraft` method's scheduler: the artifact at `path` (refused unless fitted for this device's
+    profile), else the one fitted here from the trajectories shipped for `pair`; None if neither exists."""
+    key = profile_key(target, target_source, middle, middle_source)
+    if path is not None:
+        scheduler, heads = load_artifact(path, expect_pair=pair)
+        check_profile(scheduler, key, f"scheduler artifact {str(path)!r}")
+        return scheduler, heads
+    return scheduler_for_device(pair, target, target_source, middle, middle_source, cache_dir, context, tree, log)
