@@ -301,6 +301,10 @@ def test_ancestor_mask_matches_a_parent_walk(n, seed):
         want = np.zeros(n, bool)
         want[list(brute_ancestors(tree, i))] = True
         np.testing.assert_array_equal(mask[i], want)
+    # Rows of chosen nodes only, in the order given.
+    nodes = np.random.default_rng(seed).permutation(n)[: (n + 1) // 2]
+    np.testing.assert_array_equal(tree.ancestor_mask(nodes), mask[nodes])
+    assert tree.ancestor_mask(np.zeros(0, np.int64)).shape == (0, n)
 
 
 @FAST

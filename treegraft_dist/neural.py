@@ -146,7 +146,7 @@ class NeuralDrafter:
         attend[:c, past : past + c] = np.tril(np.ones((c, c), bool))
         attend[c:, : self.committed] = True
         attend[c:, past : past + c] = True
-        anc = tree.ancestor_mask()[unseen]  # [unseen, n]
+        anc = tree.ancestor_mask(unseen)  # [unseen, n]
         r, a = np.nonzero(anc)
         if (col[a] == NO_SLOT).any():
             raise RuntimeError("middle drafter asked to run a node before its ancestors")

@@ -170,25 +170,40 @@ class DraftTree:
     def is_leaf(self) -> np.ndarray:
         return self.children_count() == 0
 
-    def ancestor_mask(self) -> np.ndarray:
-        """[size, size] bool: entry (i, j) is True iff j is i or an ancestor of i."""
-        n = self.size
-        mask = np.zeros((n, n), bool)
-        for i in range(n):
-            p = self.parents[i]
-            if p != NO_PARENT:
-                mask[i, :i] = mask[p, :i]
-            mask[i, i] = True
+    def ancestor_mask(self, nodes: np.ndarray | None = None) -> np.ndarray:
+        """[size, size] bool: entry (i, j) is True iff j is i or an ancestor of i; with `nodes` ([m] ids),
+        only their rows ([m, size])."""
+        node = np.arange(self.size) if nodes is None else np.asarray(nodes, np.int64)
+        rows = np.arange(len(node))
+        mask = np.zeros((len(node), self.size), bool)
+        up = self._parents_of_root_as_root()
+        # One step up every row's path at a time: depth + 1 steps reach the root from every node.
+        for _ in range(int(self.depths[node].max(initial=0)) + 1):
+            mask[rows, node] = True
+            node = up[node]
         return mask
 
     def leaf_paths(self) -> np.ndarray:
         """[n_leaves, max_depth + 1] node ids of every root-to-leaf path, padded with NO_PARENT."""
         leaves = np.flatnonzero(self.is_leaf())
+        depth = self.depths[leaves]
         out = np.full((len(leaves), int(self.depths[: self.size].max()) + 1), NO_PARENT, np.int64)
-        for r, leaf in enumerate(leaves):
-            p = self.path(int(leaf))
-            out[r, : len(p)] = p
+        rows = np.arange(len(leaves))
+        up = self._parents_of_root_as_root()
+        node = leaves
+        # Fill every path from its leaf's column back to column 0 (the root), one step up at a time.
+        for step in range(out.shape[1]):
+            col = depth - step
+            on = col >= 0
+            out[rows[on], col[on]] = node[on]
+            node = up[node]
         return out
+
+    def _parents_of_root_as_root(self) -> np.ndarray:
+        """[size] parent of every node, with the root its own parent: walking up stays at the root."""
+        up = self.parents[: self.size].copy()
+        up[0] = 0
+        return up
 
     # -- selection ------------------------------------------------------------------------------------
     def ranked(self, ids: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
@@ -218,10 +233,24 @@ class DraftTree:
         """
         if budget < 1:
             raise ValueError(f"tree budget must be at least 1 (the root), got {budget}")
+        ranked = self.ranked(np.arange(1, self.size))
+        keep = np.zeros(self.size, bool)
+        keep[0] = True
+        top = ranked[: budget - 1]
+        keep[top] = True
+        # When the best budget - 1 nodes hold all their ancestors, the greedy walk below keeps exactly
+        # them; it is only needed when a node outranks one of its ancestors.
+        if not keep[self.parents[top]].all():
+            keep = self._keep_greedy(ranked, budget)
+        kept = np.flatnonzero(keep)
+        return self.subtree(kept), kept
+
+    def _keep_greedy(self, ranked: np.ndarray, budget: int) -> np.ndarray:
+        """[size] bool: nodes taken best first, each with its missing ancestors when all of them fit."""
         keep = np.zeros(self.size, bool)
         keep[0] = True
         count = 1
-        for i in self.ranked(np.arange(1, self.size)):
+        for i in ranked:
             if count >= budget:
                 break
             if keep[i]:
@@ -234,19 +263,19 @@ class DraftTree:
             if count + len(missing) <= budget:
                 keep[missing] = True
                 count += len(missing)
-        kept = np.flatnonzero(keep)
-        return self.subtree(kept), kept
+        return keep
 
     def subtree(self, kept: np.ndarray) -> "DraftTree":
         """A new tree of the nodes `kept` (ascending ids, closed under ancestors, root first)."""
-        remap = {int(old): new for new, old in enumerate(kept)}
-        out = DraftTree(int(self.tokens[0]), capacity=max(len(kept), 1))
-        out.scores[0] = self.scores[0]
-        for old in kept[1:]:
-            old = int(old)
-            out._append(remap[int(self.parents[old])], int(self.tokens[old]), float(self.scores[old]),
-                        int(self.origins[old]), int(self.layers[old]))
-        out.expanded[: len(kept)] = self.expanded[kept]
+        m = len(kept)
+        remap = np.full(self.size, NO_PARENT, np.int64)
+        remap[kept] = np.arange(m)
+        out = DraftTree(int(self.tokens[0]), capacity=max(m, 1))
+        for name in ("tokens", "depths", "scores", "origins", "layers", "expanded"):
+            getattr(out, name)[:m] = getattr(self, name)[kept]
+        out.parents[1:m] = remap[self.parents[kept[1:]]]
+        out.size = m
+        out._child = dict(zip(zip(out.parents[1:m].tolist(), out.tokens[1:m].tolist()), range(1, m)))
         return out
 
     def __len__(self) -> int:
