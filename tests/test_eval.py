@@ -1,10 +1,12 @@
 """`treegraft eval` on tiny models: rows, lossless checks, summary, chart, auto budget, bad input."""
 
+import copy
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 from treegraft_dist.benchmarks import BenchmarkError, builtin, load_questions
@@ -46,14 +48,15 @@ def test_eval_writes_rows_summary_and_chart(pair, bench_file, tmp_path):
     assert len(t) == 6 * len(METHODS)
     assert {r["method"] for r in t} == set(METHODS)
     for col in ("method", "benchmark", "prompt_id", "new_tokens", "wall_s", "rounds", "mean_accepted",
-                "middle_calls", "lossless"):
+                "middle_calls", "lossless", "verdict", "diverge_at", "logit_gap", "tolerance"):
         assert col in t[0]
-    assert all(r["lossless"] for r in t if not r["method"].startswith("hf-"))
+    # fp32: our methods are identical to ar, token for token.
+    assert all(r["verdict"] == "exact" and r["lossless"] for r in t if not r["method"].startswith("hf-"))
     assert all(r["new_tokens"] == 16 for r in t)
     assert all(1 <= r["budget"] <= 128 for r in t if r["method"] not in ("ar", "hf-pld", "hf-assisted"))
     assert (tmp_path / "out" / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "out" / "summary.md").read_text()
-    assert "| all-mid |" in table and "mean speedup" in table
+    assert "| all-mid |" in table and "mean speedup" in table and "exact/near-tie/mismatch" in table
     means = [r for r in summary.rows if r["benchmark"] == "(mean)"]
     assert {r["method"] for r in means} == set(cfg.methods)
     assert all(r["speedup"] > 0 for r in means)
@@ -79,7 +82,11 @@ def test_a_wrong_method_is_reported_and_fails(pair, tmp_path):
     summary = Broken(target, middle, cfg).run()
     assert [m for m, _, _ in summary.mismatches] == ["all-small"]
     rows = pq.read_table(tmp_path / "o" / "results.parquet").to_pylist()
-    assert [r["lossless"] for r in rows if r["method"] == "all-small"] == [False]
+    row = next(r for r in rows if r["method"] == "all-small")
+    # fp32: any difference is a mismatch, whatever the gap.
+    assert (row["lossless"], row["verdict"], row["tolerance"]) == (False, "mismatch", 0.0)
+    assert row["diverge_at"] is not None and row["logit_gap"] is not None
+    assert "| 0/0/1 |" in summary.table().split("| all-small |")[1].splitlines()[0]
 
 
 def test_eval_cli_end_to_end(tmp_path, bench_file, capsys):
@@ -120,13 +127,15 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
     cut = [r for r in rows if r["prompt_id"] != last or r["method"] == "ar"]
     pq.write_table(pa.Table.from_pylist(cut), out / "results.parquet")
     assert main(["summary", str(out)]) == 0
-    assert "| 2/2 |" in capsys.readouterr().out
+    assert "| 2/0/0 |" in capsys.readouterr().out
 
-    # An output that differs from ar fails the command, as in eval.
-    for r in cut:
-        if r["method"] == "all-small":
-            r["lossless"] = False
-            break
+    # An output that differs from ar fails the command, as in eval; a near-tie does not.
+    first = next(r for r in cut if r["method"] == "all-small")
+    first.update(lossless=False, verdict="near-tie")
+    pq.write_table(pa.Table.from_pylist(cut), out / "results.parquet")
+    assert main(["summary", str(out)]) == 0
+    assert "| 1/1/0 |" in capsys.readouterr().out
+    first.update(verdict="mismatch")
     pq.write_table(pa.Table.from_pylist(cut), out / "results.parquet")
     assert main(["summary", str(out)]) == 1
     assert "differ from ar" in capsys.readouterr().err
@@ -184,6 +193,7 @@ def artifact(pair, tmp_path_factory):
     from treegraft_dist.benchmarks import chat_prompt
     from treegraft_dist.collect import Collector, CostModel, Trajectories, records_table
     from treegraft_dist.config import TreeConfig
+    from treegraft_dist.device_scheduler import PROFILE_KEY, profile_key
     from treegraft_dist.fit import fit
 
     target, middle = pair
@@ -198,8 +208,10 @@ def artifact(pair, tmp_path_factory):
     manifest = {"pair": ["tiny-target", "tiny-middle"], "cost_model": cost.to_dict(), "budgets": [4, 16],
                 "tree": cfg.to_dict(), "max_new_tokens": 12}
     path = tmp_path_factory.mktemp("sched") / "tiny.npz"
+    # Fitted for this process's profile of the pair: the evaluation refuses an artifact of another one.
+    key = profile_key(target.lm, target.source, middle.lm, middle.source)
     fit(Trajectories(manifest, pa.concat_tables(tables)), path, heldout_fraction=0.34, value_fit={"epochs": 5},
-        scheduler_fit={"epochs": 5}, log=lambda *a: None)
+        scheduler_fit={"epochs": 5}, log=lambda *a: None, profile={PROFILE_KEY: key})
     return path
 
 
@@ -225,10 +237,16 @@ def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifa
 def test_artifact_methods_refuse_a_missing_or_foreign_artifact(pair, artifact, tmp_path):
     target, middle = pair
     base = dict(benchmarks=["gsm8k"], prompts_per_benchmark=1, max_new_tokens=4, out=tmp_path / "o")
-    with pytest.raises(ValueError, match="need a scheduler artifact"):
+    with pytest.raises(ValueError, match="need a scheduler and no trajectories ship"):
         Evaluation(target, middle, EvalConfig(methods=["oracle"], pair=("a", "b"), **base))
     with pytest.raises(ValueError, match="fitted for target/middle pair"):
         Evaluation(target, middle, EvalConfig(methods=["treegraft"], scheduler=artifact, pair=("a", "b"), **base))
+    # Another device profile (here the same pair in bf16): refused, never applied silently.
+    bf16 = [LoadedModel(CausalLM(copy.deepcopy(m.lm.model).to(torch.bfloat16)), m.tokenizer, m.source)
+            for m in (target, middle)]
+    with pytest.raises(ValueError, match="fitted for the cost profile .*float32.*bfloat16"):
+        Evaluation(*bf16, EvalConfig(methods=["treegraft"], scheduler=artifact, pair=("tiny-target", "tiny-middle"),
+                                     **base))
     # treegraft alone without an artifact for the pair falls back to the documented heuristic.
     said = []
     ev = Evaluation(target, middle, EvalConfig(methods=["treegraft"], pair=("a", "b"), **base), log=said.append)

@@ -3,9 +3,18 @@
 Rows go to DIR/results.parquet (rewritten atomically after every prompt, so an interrupted run keeps
 what it finished; prompts go round-robin over the benchmarks, so that is a balanced subset); the summary
 to DIR/summary.md and DIR/summary.csv; the chart to DIR/speedup.png.
-Speedup of a method on a benchmark = total `ar` wall time / total method wall time over the same prompts,
-prefill included. Methods run interleaved per prompt, so machine noise hits them alike; one warm-up
-request per method (not timed) comes first.
+
+Every output gets a verdict against `ar` (`lossless.classify`): exact, near-tie (in bf16/fp16 the first
+differing token is one the target nearly ties with ar's, within the rounding tolerance of the dtype, and
+the rest is the target's own greedy continuation) or mismatch. Only a mismatch in one of our methods fails
+the run; near-ties are noted; the peers' verdicts are only reported.
+
+Speed is compared on equal token counts: the speedup of a method on a benchmark is its tokens per second
+(total new tokens / total wall time over the same prompts, prefill included) over `ar`'s. When the token
+counts are equal that is exactly the ratio of wall times; after a near-tie a method's output may be
+shorter or longer than ar's (it stopped at eos elsewhere), and the ratio of wall times would credit or
+charge it for tokens it did not decode. Methods run interleaved per prompt, so machine noise hits them
+alike; one warm-up request per method (not timed) comes first.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from .budget import CANDIDATES, choose_budget, latency_profile
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder, Generation
 from .files import replacing, write_text
+from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .models import LoadedModel
 from .peers import PEER_METHODS, run_peer
 from .prepare import cache_root
@@ -267,13 +277,16 @@ class Evaluation:
             reference = results[AR_METHOD].tokens
             for method in cfg.methods:
                 gen = results[method]
-                lossless = gen.tokens == reference
-                if not lossless and is_ours(method):
+                check = classify(self.target.lm, p.ids, reference, gen.tokens)
+                where = f"{p.benchmark}/{p.prompt_id} (turn {p.turn})"
+                if check.verdict == MISMATCH and is_ours(method):
                     mismatches.append((method, p.benchmark, p.prompt_id))
-                    tqdm.write(f"MISMATCH: {method} differs from ar on {p.benchmark}/{p.prompt_id} "
-                               f"(turn {p.turn})", file=sys.stderr)
+                    tqdm.write(f"MISMATCH: {method} differs from ar on {where}: {check.reason}", file=sys.stderr)
+                elif check.verdict == NEAR_TIE:
+                    tqdm.write(f"near-tie (rounding, not a mismatch): {method} on {where}: {check.reason}",
+                               file=sys.stderr)
                 budget = None if method in PEER_METHODS or method == AR_METHOD else self.budgets[method]
-                self.rows.append(_row(method, p, gen, lossless, budget))
+                self.rows.append(_row(method, p, gen, check, budget))
             write_parquet_atomic(pa.Table.from_pylist(self.rows), cfg.out / "results.parquet")
         bar.close()
         summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
@@ -281,7 +294,7 @@ class Evaluation:
         return dataclasses.replace(summary, mismatches=mismatches)
 
 
-def _row(method: str, p: Prompt, gen: Generation, lossless: bool, budget: int | None) -> dict:
+def _row(method: str, p: Prompt, gen: Generation, check: Check, budget: int | None) -> dict:
     s = gen.stats
     return {
         "method": method, "benchmark": p.benchmark, "prompt_id": p.prompt_id, "turn": p.turn,
@@ -289,7 +302,10 @@ def _row(method: str, p: Prompt, gen: Generation, lossless: bool, budget: int | 
         "rounds": s.rounds, "mean_accepted": s.mean_accepted if s.rounds else float("nan"),
         "middle_calls": sum(s.middle_calls), "middle_calls_per_round": s.middle_calls_per_round,
         "mean_tree_size": sum(s.tree_sizes) / len(s.tree_sizes) if s.tree_sizes else float("nan"),
-        "tokens_per_s": s.tokens_per_s, "lossless": lossless, "budget": budget,
+        "tokens_per_s": s.tokens_per_s, "budget": budget,
+        # `lossless` (True iff identical) is kept for readers of older result files.
+        "lossless": check.verdict == EXACT, "verdict": check.verdict, "diverge_at": check.diverge_at,
+        "logit_gap": check.logit_gap, "tolerance": check.tolerance,
         **{f"{k}_s": v for k, v in s.seconds.items()},
     }
 
@@ -311,7 +327,8 @@ class Summary:
     def table(self) -> str:
         split = [g for g in ("(held-in)", "(held-out)") if any(r["benchmark"] == g for r in self.rows)]
         head = ("| method | " + " | ".join(self.benchmarks) + " | mean speedup | "
-                + "".join(f"{g[1:-1]} mean | " for g in split) + "accepted/round | tok/s | mid calls/round | lossless |")
+                + "".join(f"{g[1:-1]} mean | " for g in split)
+                + "accepted/round | tok/s | mid calls/round | exact/near-tie/mismatch |")
         sep = "|" + "---|" * (len(self.benchmarks) + 6 + len(split))
         lines = [head, sep]
         for m in self.methods:
@@ -322,7 +339,7 @@ class Summary:
             acc = "-" if mean["mean_accepted"] != mean["mean_accepted"] else f"{mean['mean_accepted']:.2f}"
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {acc} | "
                          f"{mean['tokens_per_s']:.2f} | {mean['middle_calls_per_round']:.2f} | "
-                         f"{mean['lossless_prompts']} |")
+                         f"{_verdict_cell(mean)} |")
         return "\n".join(lines)
 
     def write(self, out: Path) -> None:
@@ -335,12 +352,24 @@ class Summary:
         plot_speedups(self, out / "speedup.png")
 
 
+def _verdict_cell(row: dict) -> str:
+    return f"{row['exact']}/{row['near_tie']}/{row['mismatch']}"
+
+
+def row_verdict(row: dict) -> str:
+    """A result row's verdict; rows written before verdicts existed have only `lossless`."""
+    return row.get("verdict") or (EXACT if row["lossless"] else MISMATCH)
+
+
 def summarize(t: pa.Table, methods: list[str]) -> Summary:
+    """Per (benchmark, method): speedup = the method's tokens/s over ar's (see the module docstring)."""
     rows = []
     benches = sorted(set(t.column("benchmark").to_pylist()), key=lambda b: list(BENCHMARKS).index(b)
                      if b in BENCHMARKS else len(BENCHMARKS))
-    ar_wall = {b: pc.sum(t.filter((pc.field("method") == AR_METHOD) & (pc.field("benchmark") == b))
-                         .column("wall_s")).as_py() for b in benches}
+    ar_rate = {}
+    for b in benches:
+        ar = t.filter((pc.field("method") == AR_METHOD) & (pc.field("benchmark") == b))
+        ar_rate[b] = pc.sum(ar.column("new_tokens")).as_py() / pc.sum(ar.column("wall_s")).as_py()
     for m in methods:
         per_bench = []
         for b in benches:
@@ -349,11 +378,13 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
             tokens = sum(r["new_tokens"] for r in sub)
             rounds = sum(r["rounds"] for r in sub)
             accepted = sum(r["mean_accepted"] * r["rounds"] for r in sub if r["rounds"])
-            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": ar_wall[b] / wall,
+            verdicts = [row_verdict(r) for r in sub]
+            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": tokens / wall / ar_rate[b],
                    "mean_accepted": accepted / rounds if rounds else float("nan"),
                    "tokens_per_s": tokens / wall, "middle_calls_per_round":
                        sum(r["middle_calls"] for r in sub) / rounds if rounds else 0.0,
-                   "lossless_prompts": f"{sum(r['lossless'] for r in sub)}/{len(sub)}"}
+                   "exact": verdicts.count(EXACT), "near_tie": verdicts.count(NEAR_TIE),
+                   "mismatch": verdicts.count(MISMATCH)}
             per_bench.append(row)
             rows.append(row)
         rows.append(_mean_row(m, "(mean)", per_bench))
@@ -395,7 +426,7 @@ def summarize_folder(out: Path) -> Summary:
     summary = summarize(pa.Table.from_pylist(rows), methods)
     summary.write(out)
     mismatches = [(r["method"], r["benchmark"], r["prompt_id"]) for r in rows
-                  if not r["lossless"] and is_ours(r["method"])]
+                  if row_verdict(r) == MISMATCH and is_ours(r["method"])]
     return dataclasses.replace(summary, mismatches=mismatches)
 
 
@@ -404,14 +435,13 @@ def _prompt_key(row: dict) -> tuple:
 
 
 def _mean_row(method: str, name: str, per_bench: list[dict]) -> dict:
-    n_lossless = sum(int(r["lossless_prompts"].split("/")[0]) for r in per_bench)
     n = len(per_bench)
     return {"method": method, "benchmark": name, "prompts": sum(r["prompts"] for r in per_bench),
             "speedup": sum(r["speedup"] for r in per_bench) / n,
             "mean_accepted": _nanmean([r["mean_accepted"] for r in per_bench]),
             "tokens_per_s": sum(r["tokens_per_s"] for r in per_bench) / n,
             "middle_calls_per_round": sum(r["middle_calls_per_round"] for r in per_bench) / n,
-            "lossless_prompts": f"{n_lossless}/{sum(r['prompts'] for r in per_bench)}"}
+            **{k: sum(r[k] for r in per_bench) for k in ("exact", "near_tie", "mismatch")}}
 
 
 def _nanmean(xs: list[float]) -> float:
@@ -434,7 +464,7 @@ def plot_speedups(summary: Summary, path: Path) -> None:
         ax.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))], vals, width, label=m)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup over ar (wall time)")
+    ax.set_ylabel("speedup over ar (tokens/s)")
     ax.set_title("Speedup by benchmark")
     ax.legend(fontsize=8, ncols=min(len(methods), 4))
     fig.tight_layout()
