@@ -398,8 +398,11 @@ class Trajectories:
         catch_up = np.where(rounds_col == 0, 1, position - np.r_[0, position[:-1]])
         latency = np.stack([cost.schedule_latency(f, s[None], int(c))[0]
                             for f, s, c in zip(forwards, sizes, catch_up)])
-        return Rounds(signals, accepted, latency, t.column("prompt_id").to_numpy(zero_copy_only=False),
-                      t.column("benchmark").to_numpy(zero_copy_only=False))
+        benchmarks = t.column("benchmark").to_numpy(zero_copy_only=False)
+        # Question ids repeat across benchmarks (question 20 of gsm8k and of alpaca): a prompt is both.
+        prompts = np.char.add(np.char.add(benchmarks.astype(str), "/"),
+                              t.column("prompt_id").to_numpy(zero_copy_only=False).astype(str))
+        return Rounds(signals, accepted, latency, prompts, benchmarks)
 
 
 def _column(t: pa.Table, name: str, dtype) -> np.ndarray:

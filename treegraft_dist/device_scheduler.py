@@ -77,13 +77,13 @@ def measured_budgets(traj: Trajectories, cost: CostModel) -> tuple[int, ...]:
     return budgets
 
 
-def fit_for_device(traj: Trajectories, cost: CostModel, key: str, out: Path, log=print
+def fit_for_device(traj: Trajectories, cost: CostModel, key: str, out: Path, log=print, **fit_args
                    ) -> tuple[LearnedScheduler, ValueHeads]:
     """Fit the scheduler for one cost profile and write it to `out`, stamped with the profile's key."""
     from .fit import fit
 
     scheduler, heads, report = fit(priced(traj, cost), out, budgets=measured_budgets(traj, cost),
-                                   profile={PROFILE_KEY: key}, log=log)
+                                   profile={PROFILE_KEY: key}, log=log, **fit_args)
     log(report.table())
     return scheduler, heads
 
@@ -99,7 +99,7 @@ def check_profile(scheduler: LearnedScheduler, key: str, where: str) -> None:
 
 def same_drafting(a: TreeConfig, b: TreeConfig) -> bool:
     """Whether two tree configs grow the same trees (the budget and the call budget are chosen per device)."""
-    free = {"budget": 0, "call_budget": None}
+    free = {"budget": 1, "call_budget": None}
     return dataclasses.replace(a, **free) == dataclasses.replace(b, **free)
 
 

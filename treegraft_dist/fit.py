@@ -30,6 +30,9 @@ from .value import (CANDIDATE_SUBSETS, NUM_DECISION_STATES, SCHEDULES, Rounds, V
                     fit_value_heads, split_rounds)
 
 SPEED_TIE = 0.01  # subsets within 1% of the fastest count as tied; the lower held-out error wins
+# Epochs of the value heads that only rank budgets: a quarter of a full fit ranks them alike and keeps a
+# first-use fit for a new device (one scan over up to ten budgets) to a couple of minutes on a CPU.
+BUDGET_SCAN_EPOCHS = 10
 
 
 def call_cap(cost: CostModel, budget: int) -> int:
@@ -76,7 +79,8 @@ def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_
     for b in budgets or traj.budgets:
         cap = call_cap(traj.cost, b)
         train, held = split_rounds(traj.rounds(b), heldout_fraction, seed)
-        heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed, **(value_fit or {}))
+        heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed,
+                                **{"epochs": BUDGET_SCAN_EPOCHS, **(value_fit or {})})
         out[b] = {"scheduled": speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap)),
                   **reference_speeds(held, cap)}
         log(f"  budget {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[b].items()) + " tok/s")

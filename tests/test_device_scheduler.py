@@ -1,0 +1,133 @@
+"""The scheduler for the device it runs on: shipped trajectories priced with this device's measured costs,
+fitted on first use, cached, and refused on any other device profile."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import char_tokenizer, perturbed_copy, tiny_model
+from treegraft_dist import device_scheduler
+from treegraft_dist.benchmarks import builtin, chat_prompt
+from treegraft_dist.collect import (MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, CostModel, part_name,
+                                    read_trajectories, records_table, write_part)
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.device_scheduler import (PROFILE_KEY, check_profile, measured_budgets, priced, profile_key,
+                                             resolve_scheduler, scheduler_for_device)
+from treegraft_dist.hf import CausalLM
+from treegraft_dist.scheduler import SchedulerArtifactError
+
+PAIR = ("tiny-t", "tiny-m")
+TREE = TreeConfig(budget=16)
+FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = tiny_model("llama", seed=3, init=0.4)
+    return CausalLM(model), CausalLM(perturbed_copy(model, 0.2, 4))
+
+
+@pytest.fixture(scope="module")
+def shipped(models, tmp_path_factory):
+    """A trajectories folder as `treegraft collect` writes it, collected under a made-up cost model."""
+    target, middle = models
+    folder = tmp_path_factory.mktemp("traj")
+    cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
+    budgets = (1, 4, 16)
+    collector = Collector(target, middle, TREE, cost, budgets)
+    tok = char_tokenizer()
+    for bench in ("gsm8k", "humaneval", "qa"):
+        for q in builtin(bench)[20:22]:
+            ids = chat_prompt(tok, [q.turns[0]], [])[-48:]
+            table = records_table(collector.rounds(ids, 10), bench, q.question_id, len(ids), budgets, cost)
+            (folder / ROUNDS_DIR).mkdir(exist_ok=True)
+            write_part(table, folder / ROUNDS_DIR / part_name(bench, q.question_id))
+    manifest = {"schema_version": SCHEMA_VERSION, "pair": list(PAIR), "tree": TREE.to_dict(), "max_new_tokens": 10,
+                "cost_model": cost.to_dict(), "budgets": list(budgets)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.fixture
+def ship(shipped, monkeypatch):
+    monkeypatch.setitem(device_scheduler.SHIPPED_TRAJECTORIES, PAIR, shipped)
+    real_fit = device_scheduler.fit_for_device
+    fits = []
+
+    def counted(*args, **kwargs):
+        fits.append(args[2])
+        return real_fit(*args, **kwargs, **FAST)
+
+    monkeypatch.setattr(device_scheduler, "fit_for_device", counted)
+    return fits
+
+
+def test_prompt_keys_are_unique_across_benchmarks(shipped):
+    rounds = read_trajectories(shipped).rounds(4)
+    # Question 20 of gsm8k and of humaneval are different prompts for the data split.
+    assert {"gsm8k/20", "humaneval/20"} <= set(rounds.prompt_ids.tolist())
+
+
+def test_fitted_on_first_use_for_this_profile_then_loaded_from_the_cache(models, ship, tmp_path):
+    target, middle = models
+    ctx = list(range(40))
+    key = profile_key(target, "tiny-t", middle, "tiny-m")
+    sched, heads = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    assert ship == [key] and heads is not None
+    profile = sched.info.cost_profile
+    assert profile[PROFILE_KEY] == key and "float32" in key
+    # Priced with this device's measured costs, not the collecting device's, and a budget it measured.
+    costs = json.loads(next((tmp_path / "profiles").glob("*--costs.json")).read_text())
+    assert profile["verify_ms"] == costs["verify_ms"] and profile["device"] != "elsewhere"
+    assert profile["budget"] in {int(b) for b in costs["verify_ms"]}
+    assert len(list((tmp_path / "schedulers").glob("*.npz"))) == 1
+    again, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    assert ship == [key]  # no second fit: the cached artifact
+    x = np.linspace(-1, 1, 17).astype(np.float32)
+    assert again.margin(x) == pytest.approx(sched.margin(x))
+
+
+def test_another_dtype_is_another_profile_with_its_own_fit(models, ship, tmp_path):
+    target, middle = models
+    bf16 = [CausalLM(type(m.model)(m.model.config).to(torch.bfloat16).eval()) for m in models]
+    ctx = list(range(40))
+    a, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    b, _ = scheduler_for_device(PAIR, bf16[0], "tiny-t", bf16[1], "tiny-m", tmp_path, ctx, TREE, log=str)
+    assert len(ship) == 2 and ship[0] != ship[1] and "bfloat16" in ship[1]
+    with pytest.raises(SchedulerArtifactError, match="fitted for the cost profile"):
+        check_profile(a, ship[1], "the float32 artifact")
+    check_profile(b, ship[1], "the bf16 artifact")
+
+
+def test_an_explicit_artifact_of_another_profile_is_refused(models, ship, tmp_path):
+    target, middle = models
+    ctx = list(range(40))
+    scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    path = next((tmp_path / "schedulers").glob("*.npz"))
+    assert resolve_scheduler(path, PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE) is not None
+    # The same weights under another name are another model pair's profile.
+    with pytest.raises(SchedulerArtifactError, match="not this one"):
+        resolve_scheduler(path, PAIR, target, "other-t", middle, "tiny-m", tmp_path, ctx, TREE)
+
+
+def test_no_shipped_data_or_other_tree_settings_give_none(models, ship, tmp_path):
+    target, middle = models
+    ctx = list(range(40))
+    assert scheduler_for_device(("a", "b"), target, "a", middle, "b", tmp_path, ctx, TREE, log=str) is None
+    said = []
+    other = TreeConfig(budget=16, long_chain=0)
+    assert scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, other, log=said.append) is None
+    assert "other tree settings" in said[0] and ship == []
+
+
+def test_budgets_are_limited_to_what_the_device_measured(shipped):
+    traj = read_trajectories(shipped)
+    cost = CostModel("here", 0.2, 0.1, {1: 3.0}, {1: 5.0, 4: 9.0})  # 16 too slow to have been measured
+    assert measured_budgets(traj, cost) == (1, 4)
+    assert priced(traj, cost).cost == cost
+    with pytest.raises(ValueError, match="none of the recorded budgets"):
+        measured_budgets(traj, CostModel("here", 0.2, 0.1, {1: 3.0}, {2: 5.0}))
