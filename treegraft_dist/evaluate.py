@@ -43,8 +43,8 @@ from .models import LoadedModel
 from .peers import PEER_METHODS, run_peer
 from .prepare import cache_root
 from .collect import HELD_OUT_BENCHMARKS, Collector, CostModel
+from .device_scheduler import PROFILE_KEY, resolve_scheduler
 from .schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
-from .scheduler import default_artifact
 from .value import SCHEDULES, ValuePlanner, load_artifact
 
 TREEGRAFT = "treegraft"
@@ -57,6 +57,7 @@ DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
 ARTIFACT_METHODS = (TREEGRAFT, VALUE_PLANNER, ORACLE)
 ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 WARMUP_PROMPTS = 2
+COST_CONTEXT_BENCHMARK = "humaneval"  # its last question: the context an n-gram step is timed on
 WARMUP_TOKENS = 12  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
 
 
@@ -145,26 +146,45 @@ class Evaluation:
         self.scheduler, self.heads = self._load_scheduler()
 
     def _load_scheduler(self):
-        """(LearnedScheduler, ValueHeads or None) for the artifact methods, or (None, None) when none is
-        needed or, for treegraft alone, none exists for this pair (then the documented heuristic runs)."""
+        """(LearnedScheduler, ValueHeads or None) for the artifact methods: --scheduler's artifact (refused if
+        fitted for another device profile), else the one fitted for this device from the trajectories shipped
+        for the pair (device_scheduler.py); (None, None) when none is needed or, for treegraft alone, neither
+        exists (then the documented heuristic runs)."""
         wanted = [m for m in self.cfg.methods if m in ARTIFACT_METHODS]
         if not wanted:
             return None, None
-        path = self.cfg.scheduler or default_artifact(self.cfg.pair)
-        if path is None:
+        if self.engine is not None:
+            found = self._remote_scheduler()
+        else:
+            context = chat_prompt(self.target.tokenizer, [builtin(COST_CONTEXT_BENCHMARK)[-1].turns[0]], [])
+            found = resolve_scheduler(self.cfg.scheduler, self.cfg.pair, self.target.lm, self.target.source,
+                                      self.middle.lm, self.middle.source, cache_root(self.cfg.cache_dir), context,
+                                      TreeConfig(), self.log)
+        if found is None:
             if wanted != [TREEGRAFT]:
-                raise ValueError(f"{', '.join(m for m in wanted if m != TREEGRAFT)} need a scheduler artifact and "
-                                 f"none ships for {self.cfg.pair}: fit one (`treegraft collect`, `treegraft fit`) "
-                                 "and pass --scheduler PATH")
-            self.log(f"no scheduler artifact for {self.cfg.pair}: treegraft runs the shallow-tree heuristic "
+                raise ValueError(f"{', '.join(m for m in wanted if m != TREEGRAFT)} need a scheduler and no "
+                                 f"trajectories ship for {self.cfg.pair}: collect them (`treegraft collect`), fit "
+                                 "one (`treegraft fit`) and pass --scheduler PATH")
+            self.log(f"no scheduler for {self.cfg.pair}: treegraft runs the shallow-tree heuristic "
                      "(fit one with `treegraft collect` and `treegraft fit`, then pass --scheduler)")
             return None, None
-        scheduler, heads = load_artifact(path, expect_pair=self.cfg.pair)
+        scheduler, heads = found
         if VALUE_PLANNER in wanted and heads is None:
-            raise ValueError(f"{path} holds no value heads, which value-planner needs: refit it with `treegraft fit`")
-        self.log(f"scheduler: {path} (signals: {', '.join(scheduler.subset)}; fitted at budget "
-                 f"{scheduler.info.cost_profile.get('budget')})")
+            raise ValueError("the scheduler artifact holds no value heads, which value-planner needs: refit it with "
+                             "`treegraft fit`")
+        profile = scheduler.info.cost_profile
+        self.log(f"scheduler: fitted for {profile.get(PROFILE_KEY, '(no profile recorded)')} at budget "
+                 f"{profile.get('budget')}, call cap {profile.get('call_cap')} (signals: {', '.join(scheduler.subset)})")
         return scheduler, heads
+
+    def _remote_scheduler(self):
+        """With the models in actors only --scheduler's artifact can run, and its profile is not checked here."""
+        if self.cfg.scheduler is None:
+            return None
+        found = load_artifact(self.cfg.scheduler, expect_pair=self.cfg.pair)
+        self.log(f"distributed: the artifact's cost profile ({found[0].info.cost_profile.get(PROFILE_KEY)}) is not "
+                 "checked against the actors' devices")
+        return found
 
     # -- methods --------------------------------------------------------------------------------------
     def _decoder(self, budget: int, probes: tuple[int, ...] = ()) -> Decoder:

@@ -1,11 +1,12 @@
 """The learned scheduler: a 3,265-parameter MLP reads the 17 signals before a drafting layer and says
 whether calling the middle drafter pays (margin > 0) or an n-gram step does.
 
-It is fitted offline (value.py) and shipped as one artifact file: weights, the z-score normalisation,
-the signal subset it was fitted on, the device cost profile and model pair it belongs to, the data split
-and the versions that wrote it; optionally also the value heads it was distilled from (written and read
-by value.save_artifact / value.load_artifact). At run time the forward is a few float32 numpy products
-on a [17] vector with the normalisation folded into the first layer: no torch, no autograd.
+It is fitted offline (value.py, fit.py; for the device it runs on, device_scheduler.py) and kept as one
+artifact file: weights, the z-score normalisation, the signal subset it was fitted on, the device cost
+profile and model pair it belongs to, the data split and the versions that wrote it; optionally also the
+value heads it was distilled from (written and read by value.save_artifact / value.load_artifact). At run
+time the forward is a few float32 numpy products on a [17] vector with the normalisation folded into the
+first layer: no torch, no autograd.
 
 The network always takes all 17 signals; signals outside the fitted subset are multiplied by 0 after
 z-scoring (the `mask` buffer), so a model fitted without the raw millisecond timings cannot read them on
@@ -38,21 +39,6 @@ LAYER_SHAPES = {
 _TORCH_NAMES = {"w1": "0.weight", "b1": "0.bias", "w2": "2.weight", "b2": "2.bias", "w3": "4.weight",
                 "b3": "4.bias"}  # in SchedulerMLP.net
 _META_KEY = "meta_json"
-
-
-# The artifact that ships for the embedded default pair, and how to rebuild it: `make scheduler`, i.e.
-#   treegraft collect --out out/trajectories && treegraft fit --data out/trajectories --out <this file>
-DATA_DIR = Path(__file__).parent / "data" / "scheduler"
-DEFAULT_ARTIFACTS = {
-    ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):
-        DATA_DIR / "qwen2.5-coder-1.5b+0.5b-instruct.npz",
-}
-
-
-def default_artifact(pair: tuple[str, str] | None) -> Path | None:
-    """The packaged artifact for this (target, middle) pair, if one ships."""
-    path = DEFAULT_ARTIFACTS.get(tuple(pair)) if pair else None
-    return path if path is not None and path.is_file() else None
 
 
 class SchedulerArtifactError(ValueError):
