@@ -259,3 +259,20 @@ def test_the_oracle_is_refused_on_a_distributed_engine(pair, artifact, tmp_path)
                      out=tmp_path / "o", budget=16, scheduler=artifact, pair=("tiny-target", "tiny-middle"))
     with pytest.raises(ValueError, match="without --distributed"):
         Evaluation(target, middle, cfg, engine=object())
+
+
+def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair, tmp_path):
+    from treegraft_dist.evaluate import fixed_base
+
+    assert fixed_base("all-small@published") == "all-small" and fixed_base("01001@published") == "01001"
+    assert fixed_base("treegraft@published") is None and fixed_base("hf-pld") is None
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["humaneval"], methods=["all-small", "all-small@published", "10000@published"],
+                     prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "o", budget=16)
+    ev = Evaluation(target, middle, cfg)
+    assert ev._decoder(16).cfg.long_chain > 0 and ev._decoder(16, published=True).cfg.long_chain == 0
+    summary = ev.run()
+    assert summary.mismatches == []
+    assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}
+    with pytest.raises(ValueError, match="unknown method"):
+        EvalConfig(methods=["treegraft@published"])

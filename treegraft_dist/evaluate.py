@@ -88,7 +88,7 @@ class EvalConfig:
         for m in self.methods:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
-                                 "as 01001")
+                                 f"as 01001 (a fixed one with {PUBLISHED}: the published tree settings)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
@@ -99,8 +99,19 @@ class EvalConfig:
                                  f"--methods ({', '.join(m for m in self.methods if m not in PEER_METHODS)})")
 
 
+# A fixed schedule with this suffix (all-small@published) runs with the published tree settings: no long
+# n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
+PUBLISHED = "@published"
+
+
+def fixed_base(m: str) -> str | None:
+    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published), else None."""
+    base = m.removesuffix(PUBLISHED)
+    return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
+
+
 def is_method(m: str) -> bool:
-    return m in ALL_METHODS or bool(re.fullmatch(r"[01]+", m))
+    return m in ALL_METHODS or fixed_base(m) is not None
 
 
 def is_ours(m: str) -> bool:
@@ -131,7 +142,7 @@ class Evaluation:
         """`engine`: a DistributedEngine (anything with Decoder.generate's signature) that runs our methods
         instead of in-process decoders; its tree settings are fixed, so the budget must be a number."""
         self.target, self.middle, self.cfg, self.log, self.engine = target, middle, cfg, log, engine
-        need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "all-small", "hf-pld")]
+        need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "hf-pld") and fixed_base(m) != "all-small"]
         if middle is None and need_middle:
             raise ValueError(f"methods {', '.join(need_middle)} need a middle drafter; drop them or give --middle")
         if engine is not None and ORACLE in cfg.methods:
@@ -187,15 +198,18 @@ class Evaluation:
         return found
 
     # -- methods --------------------------------------------------------------------------------------
-    def _decoder(self, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
-        return Decoder(self.target.lm, self.middle.lm if self.middle else None, TreeConfig(budget=budget),
-                       probe_budgets=probes)
+    def _decoder(self, budget: int, probes: tuple[int, ...] = (), published: bool = False) -> Decoder:
+        tree = TreeConfig(budget=budget, **({"long_chain": 0} if published else {}))
+        return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        decoder = self.engine if self.engine is not None else self._decoder(budget, probes)
+        published = method.endswith(PUBLISHED)
+        if published and self.engine is not None:
+            raise ValueError(f"{method}: the distributed engine runs one tree config; drop {PUBLISHED}")
+        decoder = self.engine if self.engine is not None else self._decoder(budget, probes, published)
         if method == ORACLE:
             return self._oracle(decoder, budget)
         if method == VALUE_PLANNER:
@@ -203,7 +217,7 @@ class Evaluation:
         if method == TREEGRAFT:
             policy = self.scheduler or ShallowTreeHeuristic()
         else:
-            policy = method
+            policy = fixed_base(method) or method  # ar, or a fixed schedule without its suffix
         return lambda ids, n: decoder.generate(ids, n, policy, self.eos)
 
     def _call_cap(self) -> int | None:
