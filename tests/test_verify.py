@@ -50,6 +50,21 @@ def test_tree_attention_equals_each_branch_as_a_chain(arch, seed):
         torch.testing.assert_close(tree_logits[path], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_and_causal_masks_equal_their_full_width_forms(dtype):
+    lm = CausalLM(tiny_model("llama").to(dtype))
+    lowest = torch.finfo(dtype).min
+    past, n = 7, 5
+    full = torch.ones((n, past + n), dtype=torch.bool).tril_(past)
+    want = torch.zeros((n, past + n), dtype=dtype).masked_fill_(~full, lowest)
+    assert torch.equal(lm._additive_mask(n, past, None), want)
+    assert torch.equal(lm._additive_mask(n, past, full[:, past:]), want)
+    assert torch.equal(lm._additive_mask(n, past, full), want)
+    # A full-width mask may hide cached positions too (the middle drafter's does).
+    full[:, 2] = False
+    assert torch.equal(lm._additive_mask(n, past, full), want.masked_fill(~full, lowest))
+
+
 def test_target_cache_after_rounds_equals_one_plain_forward():
     target, mid = tiny_pair("llama", "close")
     cfg = TreeConfig()

@@ -39,23 +39,34 @@ class CausalLM:
         cache: DynamicCache,
         input_ids: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64
-        attend: torch.Tensor | None = None,  # [n, cache_len + n] bool; None = causal
+        attend: torch.Tensor | None = None,  # [n, cache_len + n] or [n, n] bool; None = causal
     ) -> torch.Tensor:  # [n, hidden]
         """Run the decoder over `input_ids`, appending their keys and values to `cache`.
 
+        `attend` of width n covers the new block only: every cached position is visible to every row.
         The mask is always explicit, the causal one included, so that every pass (prefill, plain decoding,
         tree verification) takes the same attention path.
         """
-        n = len(input_ids)
-        if attend is None:
-            past = cache_len(cache)
-            attend = torch.ones((n, past + n), dtype=torch.bool).tril_(past)
-        mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
+        mask = self._additive_mask(len(input_ids), cache_len(cache), attend)
         kwargs = {self._cache_kw: cache, "use_cache": True, "attention_mask": mask[None, None]}
         out = self.base(input_ids=input_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
                         **kwargs)
         return out.last_hidden_state[0]
+
+    def _additive_mask(
+        self, n: int, past: int,
+        attend: torch.Tensor | None,  # [n, past + n] or [n, n] bool; None = causal
+    ) -> torch.Tensor:  # [n, past + n] model dtype: 0 where visible, the dtype's minimum elsewhere
+        """Built on the model's device; with a block-only or causal `attend` only the block is written,
+        the cached part stays zeros."""
+        mask = torch.zeros((n, past + n), dtype=self.dtype, device=self.device)
+        lowest = torch.finfo(self.dtype).min
+        if attend is None:
+            mask[:, past:].fill_(lowest).triu_(1)  # a token sees itself and the tokens before it
+        else:
+            target = mask if attend.shape[1] == past + n else mask[:, past:]
+            target.masked_fill_(~attend.to(self.device), lowest)
+        return mask
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
@@ -84,9 +95,12 @@ def compact_cache(cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
     """Keep cache positions [0, start) followed by `slots` (ascending, all >= start); drop the rest."""
     n = len(slots)
     contiguous = n == 0 or int(slots[0]) == start and int(slots[-1]) == start + n - 1
+    index = None
     for layer in cache.layers:
         if not contiguous:
-            layer.keys[..., start : start + n, :] = layer.keys[..., slots.to(layer.keys.device), :]
-            layer.values[..., start : start + n, :] = layer.values[..., slots.to(layer.values.device), :]
+            if index is None:  # one copy to the cache's device, not one per layer
+                index = slots.to(layer.keys.device)
+            layer.keys[..., start : start + n, :] = layer.keys[..., index, :]
+            layer.values[..., start : start + n, :] = layer.values[..., index, :]
         layer.keys = layer.keys[..., : start + n, :]
         layer.values = layer.values[..., : start + n, :]

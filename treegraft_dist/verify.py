@@ -31,14 +31,12 @@ class Verdict:
 
 def tree_attention(
     tree: DraftTree, past: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, past + n] bool, [n] int64)
-    """Mask and positions for a whole tree appended after `past` cached tokens: each node sees the
-    cache and its own ancestors; a node's position is past + depth."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([n, n] bool, [n] int64)
+    """Mask of the tree block and positions for a whole tree appended after `past` cached tokens: each
+    node sees the whole cache (CausalLM.hidden's block-only mask) and its own ancestors; a node's
+    position is past + depth."""
     n = tree.size
-    attend = torch.ones((n, past + n), dtype=torch.bool)
-    attend[:, past:] = torch.from_numpy(tree.ancestor_mask())
-    positions = torch.from_numpy(tree.depths[:n] + past)
-    return attend, positions
+    return torch.from_numpy(tree.ancestor_mask()), torch.from_numpy(tree.depths[:n] + past)
 
 
 class TargetVerifier:
