@@ -20,6 +20,18 @@ Two measurements:
                hidden states for both heads, the argmax disagreements between the one-token and the
                block-8 pass and the positions whose top-two gap is within the rounding tolerance.
 
+Measured on the 2-core CPU (busy; Qwen2.5-Coder-1.5B-Instruct in bf16, first question of gsm8k, humaneval,
+alpaca, qa, 48 tokens, all-small at budget 16; about 1 hour):
+
+    lm head  all-small differing  exact/near-tie/mismatch  gap@token    one-token vs block-8 argmax   worst spread
+    bf16     1/4 (alpaca)         3/1/0                    -0.125@11    2/192 positions differ        3.61
+    fp32     1/4 (alpaca)         3/1/0                    -0.021@30    1/192                         3.58
+
+The fp32 head does not measurably reduce flips: the spread comes from the bf16 hidden states (28 layers
+of bf16 rounding), not from the head's final rounding; it moved the one flip, it did not remove it. 64 and
+63 of the 192 positions had a top-two gap within the rounding tolerance (about 2 logits at this scale):
+one gap alone is a weak test there, which is why `classify` also checks every later token.
+
     python jobs/bench_flips.py --rounding [--real] [--tokens 64]
     python jobs/bench_flips.py [--model PATH] [--benchmarks gsm8k,humaneval,alpaca,qa] [--tokens 48] [--budget 16]
 """
