@@ -58,10 +58,11 @@ class TargetVerifier:
             return first, None
         toks, lps = [], []
         for s in range(0, len(prompt), _PREFILL_CHUNK):
-            logp = torch.log_softmax(self.lm.logits(h[s : s + _PREFILL_CHUNK]), dim=-1)
-            top = torch.topk(logp, min(PREFILL_TOPK, logp.shape[-1]), dim=-1)
+            # Top-k of the logits less their logsumexp: no vocabulary-wide log_softmax tensor.
+            logits = self.lm.logits(h[s : s + _PREFILL_CHUNK])
+            top = torch.topk(logits, min(PREFILL_TOPK, logits.shape[-1]), dim=-1)
             toks.append(top.indices.cpu())
-            lps.append(top.values.cpu())
+            lps.append((top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu())
         return first, PrefillCache(torch.cat(toks).numpy(), torch.cat(lps).double().numpy())
 
     def step(self, token: int) -> int:
