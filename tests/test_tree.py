@@ -309,6 +309,16 @@ def test_ancestor_mask_matches_a_parent_walk(n, seed):
 
 @FAST
 @given(st.integers(1, 60), st.integers(0, 2**31))
+def test_levels_group_ids_by_depth(n, seed):
+    tree = random_tree(n, seed)
+    levels = tree.levels()
+    assert len(levels) == int(tree.depths[:n].max()) + 1
+    for d, ids in enumerate(levels):
+        assert ids.tolist() == [i for i in range(n) if tree.depths[i] == d]
+
+
+@FAST
+@given(st.integers(1, 60), st.integers(0, 2**31))
 def test_leaf_paths_are_root_to_leaf_paths_covering_every_leaf(n, seed):
     tree = random_tree(n, seed)
     paths = tree.leaf_paths()

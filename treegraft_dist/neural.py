@@ -186,7 +186,6 @@ class NeuralDrafter:
         edge = (self.lm.token_logits(self._hidden[parent_rows], torch.from_numpy(tree.tokens[1:n].copy()))
                 - self.lse[parent_rows.to(self.lse.device)]).double().cpu().numpy()
         scores = np.zeros(n, np.float64)
-        parents = tree.parents
-        for i in range(1, n):
-            scores[i] = scores[parents[i]] + edge[i - 1]
+        for ids in tree.levels()[1:]:
+            scores[ids] = scores[tree.parents[ids]] + edge[ids - 1]
         return scores

@@ -199,6 +199,13 @@ class DraftTree:
             node = up[node]
         return out
 
+    def levels(self) -> list[np.ndarray]:
+        """Node ids by depth, ascending within each: [[0], depth-1 ids, depth-2 ids, ...]. Every node's
+        parent lies in the level before its own, so a level can be computed from the previous one at once."""
+        depth = self.depths[: self.size]
+        order = np.argsort(depth, kind="stable")
+        return np.split(order, np.cumsum(np.bincount(depth))[:-1])
+
     def _parents_of_root_as_root(self) -> np.ndarray:
         """[size] parent of every node, with the root its own parent: walking up stays at the root."""
         up = self.parents[: self.size].copy()
