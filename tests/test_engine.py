@@ -10,9 +10,15 @@ from hypothesis import strategies as st
 
 from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
 from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
+from treegraft_dist.engine import Decoder, draft_tree
 from treegraft_dist.hf import CausalLM
+from treegraft_dist.neural import NeuralDrafter
+from treegraft_dist.ngram import NGramDrafter
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.schedule import ReplaySchedule, fixed_schedule
 from treegraft_dist.signals import NUM_SIGNALS
+from treegraft_dist.stats import PhaseTimer, RequestStats
+from treegraft_dist.verify import TargetVerifier
 
 PAIRS = {}
 
@@ -153,3 +159,50 @@ def test_eager_and_sdpa_attention_agree():
     prompt = [4, 4, 2, 7, 1, 4, 4, 2] * 3
     assert Decoder(target, mid).generate(prompt, 30, "10101").tokens == hf_greedy(target, prompt, 30)
     torch.testing.assert_close(torch.tensor(0.0), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("pattern", ["00000", "10000", "01100", "11111"])
+@pytest.mark.parametrize("replay", [False, True])
+def test_skipped_layers_never_change_the_pruned_tree(pattern, replay):
+    # Each round is drafted twice from the same drafter state: bounded by the budget (settled n-gram
+    # layers skipped) and unbounded; both must prune to the same nodes with the same data. A replayed
+    # schedule does not say its later layers in advance: only a spent call budget lets layers be skipped.
+    target, mid = pair("llama", "close")
+
+    def policy():
+        return ReplaySchedule([pattern]) if replay else fixed_schedule(pattern, 5)
+
+    skipped = 0
+    for budget, call_budget, prompt in [(1, None, [3, 1, 4, 1, 5, 9, 2, 6] * 4), (2, None, list(range(20)) * 2),
+                                        (4, 1, [7, 7, 3, 2] * 6), (8, None, [5, 6, 7, 8, 9] * 5),
+                                        (16, 0, [1, 2, 3] * 8)]:
+        cfg = TreeConfig(budget=budget, call_budget=call_budget)
+        verifier = TargetVerifier(target, SamplingParams())
+        first, prefill = verifier.prefill(prompt)
+        ngram, middle = NGramDrafter.from_config(cfg), NeuralDrafter(mid, cfg.top_k, cfg.lookback)
+        for d in (ngram, middle):
+            d.start(prompt, prefill)
+            d.accept([], [first])
+        root, timer = first, PhaseTimer(RequestStats("t"))
+        for _ in range(6):
+            start = middle.snapshot()
+            full, full_calls = draft_tree(root, cfg, policy(), ngram, middle, timer, None)
+            middle.restore(start)
+            # Bounded by the budget and by smaller probe budgets as well.
+            probes = (budget, max(1, budget // 2), max(1, budget // 4))
+            tree, calls = draft_tree(root, cfg, policy(), ngram, middle, timer, None, probes)
+            assert calls == full_calls
+            skipped += tree.size < full.size
+            for b in probes:
+                (pruned, kept), (want, want_kept) = tree.prune(b), full.prune(b)
+                np.testing.assert_array_equal(kept, want_kept)
+                for name in ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded"):
+                    np.testing.assert_array_equal(getattr(pruned, name)[: pruned.size],
+                                                  getattr(want, name)[: want.size])
+            pruned, kept = tree.prune(budget)
+            verdict = verifier.verify(pruned)
+            path = [0] + [int(kept[i]) for i in verdict.accepted]
+            for d in (ngram, middle):
+                d.accept(path, verdict.tokens)
+            root = verdict.tokens[-1]
+    assert skipped or replay

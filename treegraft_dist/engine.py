@@ -40,16 +40,63 @@ def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) 
     return tree.ranked(np.setdiff1d(ids, hung))[:k]
 
 
+def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
+    """Whether n-gram steps from `frontier` can no longer change `tree.prune(keep)`.
+
+    An n-gram step adds or rescores only nodes at or below the frontier (children of frontier nodes, chains
+    below them, then their children), each at its parent's score plus a log-prob <= 0, so no score it
+    assigns exceeds the best frontier score. When the best keep - 1 nodes hold their ancestors (pruning
+    keeps exactly them), none of them nor the root is at or below the frontier, and all outscore every
+    frontier node, everything later n-gram steps score ranks below them: pruning keeps the same nodes
+    with the same data.
+    """
+    if len(frontier) == 0:
+        return True  # an n-gram step proposes nothing without a frontier
+    if tree.size < keep:
+        return False  # pruning would keep new nodes too
+    top = tree.ranked(np.arange(1, tree.size))[: keep - 1]
+    kept = np.zeros(tree.size, bool)
+    kept[0] = True
+    kept[top] = True
+    if not kept[tree.parents[top]].all():
+        return False
+    below = np.zeros(tree.size, bool)
+    below[frontier] = True
+    for ids in tree.levels()[1:]:
+        below[ids] |= below[tree.parents[ids]]
+    # A kept node at or below the frontier could be rescored or get its expanded bit set.
+    if (below & kept).any():
+        return False
+    return len(top) == 0 or tree.scores[frontier].max() < tree.scores[top].min()
+
+
+def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, middle, layer: int, calls: list[bool]) -> bool:
+    """Whether no layer from `layer` on can call the middle drafter: none is loaded, the call budget is
+    spent, or a fixed schedule has no call left."""
+    pattern = getattr(policy, "pattern", None)  # only a fixed schedule tells its later layers in advance
+    return (middle is None or (cfg.call_budget is not None and sum(calls) >= cfg.call_budget)
+            or (pattern is not None and "1" not in pattern[layer:]))
+
+
 def draft_tree(
     root: int, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
     context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
+    budgets: tuple[int, ...] = (),
 ) -> tuple[DraftTree, list[bool]]:
-    """Grow one round's tree over cfg.depth layers; returns it and which layers called the middle."""
+    """Grow one round's tree over cfg.depth layers; returns it and which layers called the middle.
+
+    `budgets`, when given, are all those the tree will be pruned to: once only n-gram layers are left and
+    they cannot change the tree pruned to any of them, they are not drafted (pruning_settled). Without,
+    every layer is drafted (the whole tree is wanted, e.g. to compare with trajectory collection)."""
     tree = DraftTree(root)
     frontier = np.zeros(1, np.int64)
     calls: list[bool] = []
     for layer in range(cfg.depth):
         with timer.phase("scheduler"):
+            if (budgets and only_ngram_left(cfg, policy, middle, layer, calls)
+                    and all(pruning_settled(tree, frontier, b) for b in budgets)):
+                calls.extend([False] * (cfg.depth - layer))
+                break
             signals = None
             if policy.needs_signals:
                 signals = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k,
@@ -126,7 +173,8 @@ class Decoder:
                 d.accept([], [first])
             out.append(first)
             while len(out) < max_new and out[-1] not in eos:
-                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context)
+                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context,
+                                         (cfg.budget,) + self.probe_budgets)
                 pruned, kept = tree.prune(cfg.budget)
                 with timer.phase("verify"):
                     verdict = verifier.verify(pruned)

@@ -97,6 +97,8 @@ def compact_cache(cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
     contiguous = n == 0 or int(slots[0]) == start and int(slots[-1]) == start + n - 1
     index = None
     for layer in cache.layers:
+        if not layer.is_initialized:
+            continue  # nothing cached yet (a drafter restored before its first forward)
         if not contiguous:
             if index is None:  # one copy to the cache's device, not one per layer
                 index = slots.to(layer.keys.device)
