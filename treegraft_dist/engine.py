@@ -54,20 +54,19 @@ def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
         return True  # an n-gram step proposes nothing without a frontier
     if tree.size < keep:
         return False  # pruning would keep new nodes too
-    top = tree.ranked(np.arange(1, tree.size))[: keep - 1]
+    # Cheap test first: are there keep - 1 nodes above the best frontier score at all? Then those are the
+    # top ones, and only they need ranking.
+    above = np.flatnonzero(tree.scores[1 : tree.size] > tree.scores[frontier].max()) + 1
+    if len(above) < keep - 1:
+        return False
+    top = tree.ranked(above)[: keep - 1]
     kept = np.zeros(tree.size, bool)
     kept[0] = True
     kept[top] = True
     if not kept[tree.parents[top]].all():
         return False
-    below = np.zeros(tree.size, bool)
-    below[frontier] = True
-    for ids in tree.levels()[1:]:
-        below[ids] |= below[tree.parents[ids]]
     # A kept node at or below the frontier could be rescored or get its expanded bit set.
-    if (below & kept).any():
-        return False
-    return len(top) == 0 or tree.scores[frontier].max() < tree.scores[top].min()
+    return not tree.ancestor_mask(np.flatnonzero(kept))[:, frontier].any()
 
 
 def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, middle, layer: int, calls: list[bool]) -> bool:
