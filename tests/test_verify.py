@@ -10,12 +10,13 @@ from tiny import VOCAB, tiny_model, tiny_pair
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import draft_tree
 from treegraft_dist.hf import CausalLM, cache_len
+from treegraft_dist import neural
 from treegraft_dist.neural import NeuralDrafter
 from treegraft_dist.ngram import NGramDrafter
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import fixed_schedule
 from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import ORIGIN_MIDDLE, DraftTree, Proposal
+from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
 from treegraft_dist.verify import TargetVerifier, tree_attention
 
 
@@ -125,3 +126,33 @@ def test_middle_rescore_is_cumulative_logprob_along_paths():
         assert proposal.rescore[node] == pytest.approx(expected, abs=1e-4)
     # Children proposed for each selected node are that node's top-k under the middle model.
     assert len(proposal) % 4 == 0
+
+
+@pytest.mark.parametrize("leaves", [5, 60])
+def test_middle_runs_parents_and_candidate_leaves_in_one_forward_when_few(monkeypatch, leaves):
+    # An n-gram-like tree the middle has not seen: a chain of 3 parents below the root, then `leaves`
+    # leaves under its end. Few leaves: one forward over all; many: the parents, then the K selected.
+    _, mid = tiny_pair("qwen3", "random")
+    prompt = [5, 6, 7, 8, 9] * 3
+
+    def tree_and_call(max_leaves):
+        monkeypatch.setattr(neural, "ONE_FORWARD_MAX_LEAVES", max_leaves)
+        tree = DraftTree(11)
+        n = 3 + leaves
+        parents = np.array([0, 1, 2] + [3] * leaves)
+        tree.graft(Proposal(1, parents, np.arange(n) % VOCAB, -np.arange(1, n + 1) / 10, ORIGIN_NGRAM), 1)
+        drafter = NeuralDrafter(mid, top_k=4, lookback=0)  # candidates: the leaves (the frontier's depth)
+        drafter.start(prompt, None)
+        drafter.accept([], [11])
+        return drafter.step(tree, np.arange(4, 4 + leaves), 2), drafter.forward_sizes
+
+    most = neural.ONE_FORWARD_MAX_LEAVES
+    got, sizes = tree_and_call(most)
+    want, two = tree_and_call(-1)  # never one forward
+    catch_up = len(prompt)  # the context but its last token, the root (node 0)
+    assert two == [catch_up + 4, 4]
+    assert sizes == ([catch_up + 4 + leaves] if leaves <= most else two)
+    np.testing.assert_array_equal(got.parents, want.parents)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.rescore, want.rescore, rtol=1e-5, atol=1e-5)
