@@ -131,3 +131,17 @@ def test_budgets_are_limited_to_what_the_device_measured(shipped):
     assert priced(traj, cost).cost == cost
     with pytest.raises(ValueError, match="none of the recorded budgets"):
         measured_budgets(traj, CostModel("here", 0.2, 0.1, {1: 3.0}, {2: 5.0}))
+
+
+def test_a_profile_measured_on_a_busy_machine_is_measured_again(models, tmp_path, capsys):
+    from treegraft_dist.budget import latency_profile
+
+    target, _ = models
+    first = latency_profile(target, "tiny-t", tmp_path)
+    (path,) = (tmp_path / "profiles").iterdir()
+    assert latency_profile(target, "tiny-t", tmp_path) == first  # a sane cache is kept
+    busy = {str(k): 1e3 * (v + 1.0) for k, v in first.items()}  # every pass 1000x slower than it is
+    path.write_text(json.dumps({"verify_ms": busy}))
+    again = latency_profile(target, "tiny-t", tmp_path)
+    assert again[1] < 100.0 and "busy machine" in capsys.readouterr().err
+    assert json.loads(path.read_text())["verify_ms"]["1"] == again[1]

@@ -30,6 +30,10 @@ from .verify import tree_attention
 CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
 MAX_COST_RATIO = 4.0
+# A cached one-node cost this many times a fresh pass's was measured on a busy machine (another process's
+# threads only ever slow a pass down): the profile is measured again. A fresh pass much slower than the
+# cache means the machine is busy now, and the cache is kept.
+STALE_RATIO = 1.5
 
 
 def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None) -> float:
@@ -58,6 +62,17 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
     return min(times[1:])
 
 
+def measured_when_busy(lm: CausalLM, cached_ms: float, path: Path, block: int = 1) -> bool:
+    """Whether the cached cost `cached_ms` of a `block`-node pass is STALE_RATIO times what one measured now
+    costs (it was measured while something else used the device); says so when it is."""
+    fresh = forward_ms(lm, block, repeats=2)
+    if cached_ms <= STALE_RATIO * fresh:
+        return False
+    print(f"treegraft: {path.name}: a {block}-token pass measured {cached_ms:.0f} ms there and {fresh:.0f} ms now: "
+          "it was measured on a busy machine, measuring again", file=sys.stderr)
+    return True
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "-")
@@ -79,7 +94,9 @@ def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, flo
     MAX_COST_RATIO single-node passes: such a tree would need that many times the acceptance to pay."""
     path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}.json"
     if path.is_file():
-        return {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
+        cached = {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
+        if not measured_when_busy(lm, cached[min(cached)], path):
+            return cached
     cache = lm.new_cache()
     lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
     measured: dict[int, float] = {}

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from .budget import device_name, forward_ms, latency_profile, model_key
+from .budget import device_name, forward_ms, latency_profile, measured_when_busy, model_key
 from .config import TreeConfig
 from .engine import check_request, next_frontier, truncate
 from .files import replacing, write_json
@@ -129,7 +129,9 @@ def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, floa
     """ms of one middle-drafter forward per block size, measured once per (model, device), cached."""
     path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}--middle.json"
     if path.is_file():
-        return {int(k): v for k, v in json.loads(path.read_text())["forward_ms"].items()}
+        cached = {int(k): v for k, v in json.loads(path.read_text())["forward_ms"].items()}
+        if not measured_when_busy(lm, cached[min(cached)], path, min(cached)):
+            return cached
     measured = {b: forward_ms(lm, b, repeats=2)
                 for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
     profile, floor = {}, float("inf")

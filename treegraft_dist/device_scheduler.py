@@ -24,8 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from .budget import device_name, model_key
-from .collect import CostModel, Trajectories, measure_costs, read_trajectories
+from .budget import device_name, latency_profile, model_key
+from .collect import CostModel, Trajectories, measure_costs, middle_profile, read_trajectories
 from .config import TreeConfig
 from .files import write_json
 from .hf import CausalLM
@@ -57,7 +57,12 @@ def device_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_
     key = profile_key(target, target_source, middle, middle_source)
     path = cache_dir / "profiles" / f"{key}--costs.json"
     if path.is_file():
-        return CostModel.from_dict(json.loads(path.read_text()))
+        cost = CostModel.from_dict(json.loads(path.read_text()))
+        # Its model costs must be those of the (self-checking) per-model profiles: one re-measured after a
+        # busy first measurement makes this one stale too.
+        if (cost.verify_ms == latency_profile(target, target_source, cache_dir)
+                and cost.middle_ms == middle_profile(middle, middle_source, cache_dir)):
+            return cost
     cost = measure_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
     write_json(path, cost.to_dict())
     return cost
