@@ -270,9 +270,31 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
     cfg = EvalConfig(benchmarks=["humaneval"], methods=["all-small", "all-small@published", "10000@published"],
                      prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "o", budget=16)
     ev = Evaluation(target, middle, cfg)
-    assert ev._decoder(16).cfg.long_chain > 0 and ev._decoder(16, published=True).cfg.long_chain == 0
+    assert ev._decoder("all-small", 16).cfg.long_chain > 0
+    assert ev._decoder("all-small@published", 16).cfg.long_chain == 0
     summary = ev.run()
     assert summary.mismatches == []
     assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}
     with pytest.raises(ValueError, match="unknown method"):
         EvalConfig(methods=["treegraft@published"])
+
+
+def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):
+    from treegraft_dist.evaluate import fixed_base, is_sized
+
+    assert fixed_base("all-small@published@sized") == "all-small" and is_sized("01001@sized")
+    assert is_sized("treegraft") and not is_sized("all-small") and not is_sized("hf-pld@sized")
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["humaneval", "gsm8k"], methods=["all-small", "all-small@sized", "01000@sized"],
+                     prompts_per_benchmark=1, max_new_tokens=16, out=tmp_path / "o", budget="auto",
+                     cache_dir=tmp_path / "cache")
+    ev = Evaluation(target, middle, cfg)
+    summary = ev.run()
+    assert summary.mismatches == []
+    profile = ev.verify_ms()
+    # A sized method runs up to the largest size this device measured, with one sizer that learned from
+    # every request it served (warm-up included).
+    assert ev.budgets["all-small@sized"] == max(profile) and set(ev.sizers) == {"all-small@sized", "01000@sized"}
+    assert ev.sizers["all-small@sized"].trials.sum() > ev.sizers["all-small@sized"].trials.size * 4.0
+    sized = [r["mean_tree_size"] for r in ev.rows if r["method"] == "all-small@sized"]
+    assert len(sized) == 2 and all(1.0 <= m <= max(profile) for m in sized)

@@ -47,8 +47,8 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-k", type=int, default=d.top_k, help="children per node and frontier size K (default %(default)s)")
     p.add_argument("--lookback", type=int, default=d.lookback, help="expanded-pool lookback L (default %(default)s)")
     p.add_argument("--budget", type=int, default=None,
-                   help=f"nodes verified per round, root included (default {d.budget}; with --method treegraft the "
-                        "budget its scheduler was fitted for)")
+                   help=f"nodes verified per round, root included (default {d.budget}; --method treegraft sizes "
+                        "every round's tree for this device, up to this many nodes if given)")
     p.add_argument("--long-chain", type=int, default=d.long_chain,
                    help="tokens the root's best n-gram match may copy past the layers' depth (default %(default)s; "
                         "0 = the published settings)")
@@ -130,6 +130,17 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     return found[0]
 
 
+def device_sizer(args, target: LoadedModel):
+    """treegraft sizes every round's tree for this device's verification costs (measured once, cached), up to
+--budget or the largest size measured."""
+    from .budget import latency_profile
+    from .prepare import cache_root
+    from .sizing import TreeSizer
+
+    costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
+    return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
+
+
 def cmd_generate(args) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -164,7 +175,8 @@ def cmd_generate(args) -> int:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
             gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
-        decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling)
+        decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
+                          sizer=device_sizer(args, target) if args.method == "treegraft" else None)
         gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:

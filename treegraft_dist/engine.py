@@ -7,6 +7,7 @@ drives in-process components here and remote ones in a coordinator.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,7 @@ from .ngram import NGramDrafter
 from .sampling import SamplingParams
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
+from .sizing import TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, Proposal
 from .verify import TargetVerifier
@@ -117,15 +119,18 @@ class Decoder:
 
     def __init__(self, target: CausalLM, middle: CausalLM | None = None, tree: TreeConfig = TreeConfig(),
                  sampling: SamplingParams = SamplingParams(), timings: Timings | None = None,
-                 probe_budgets: tuple[int, ...] = ()):
+                 probe_budgets: tuple[int, ...] = (), sizer: TreeSizer | None = None):
         """`probe_budgets`: also record, per round, the accepted length had the tree been pruned to each
-        of these budgets instead (greedy only; for choosing a budget)."""
+        of these budgets instead (greedy only; for choosing a budget). `sizer`: choose each round's tree
+        and its size from calibrated acceptance and the device's costs (sizing.py) instead of pruning to
+        the budget by score; the sizer keeps learning across the requests of this decoder."""
         self.target = target
         self.middle = middle
         self.cfg = tree
         self.sampling = sampling
         self._timings = timings
         self.probe_budgets = probe_budgets
+        self.sizer = sizer
 
     # -- public API -----------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
@@ -171,12 +176,23 @@ class Decoder:
                 d.start(prompt, prefill)
                 d.accept([], [first])
             out.append(first)
+            sizer = self.sizer
+            if sizer is not None:
+                sizer.start_request()
             while len(out) < max_new and out[-1] not in eos:
-                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context,
-                                         (cfg.budget,) + self.probe_budgets)
-                pruned, kept = tree.prune(cfg.budget)
+                # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
+                settle = () if sizer is not None else (cfg.budget,) + self.probe_budgets
+                started = time.perf_counter()
+                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context, settle)
+                if sizer is None:
+                    pruned, kept = tree.prune(cfg.budget)
+                else:
+                    pruned, kept, _ = sizer.choose(tree)
+                    sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
                 with timer.phase("verify"):
                     verdict = verifier.verify(pruned)
+                if sizer is not None:
+                    sizer.observe(tree, kept, verdict.accepted)
                 path = [0] + [int(kept[i]) for i in verdict.accepted]
                 for d in drafters:
                     d.accept(path, verdict.tokens)

@@ -45,6 +45,7 @@ from .prepare import cache_root
 from .collect import HELD_OUT_BENCHMARKS, Collector, CostModel
 from .device_scheduler import PROFILE_KEY, resolve_scheduler
 from .schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from .sizing import TreeSizer
 from .value import SCHEDULES, ValuePlanner, load_artifact
 
 TREEGRAFT = "treegraft"
@@ -88,7 +89,8 @@ class EvalConfig:
         for m in self.methods:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
-                                 f"as 01001 (a fixed one with {PUBLISHED}: the published tree settings)")
+                                 f"as 01001 (a fixed one with {PUBLISHED}: the published tree settings; with "
+                                 f"{SIZED}: trees sized per round)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
@@ -104,14 +106,24 @@ class EvalConfig:
 PUBLISHED = "@published"
 
 
+# A fixed schedule with this suffix (all-small@sized, all-small@published@sized) sizes every round's tree
+# from calibrated acceptance and this device's verification costs (sizing.py) instead of pruning to its
+# budget; treegraft always does, where the device's latency profile is measured in-process.
+SIZED = "@sized"
+
+
 def fixed_base(m: str) -> str | None:
-    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published), else None."""
-    base = m.removesuffix(PUBLISHED)
+    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @sized), else None."""
+    base = m.removesuffix(SIZED).removesuffix(PUBLISHED)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 
 def is_method(m: str) -> bool:
     return m in ALL_METHODS or fixed_base(m) is not None
+
+
+def is_sized(m: str) -> bool:
+    return m == TREEGRAFT or (m.endswith(SIZED) and fixed_base(m) is not None)
 
 
 def is_ours(m: str) -> bool:
@@ -153,6 +165,8 @@ class Evaluation:
                              f"drop {', '.join(PEER_METHODS)} from --methods")
         self.eos = target.eos_ids
         self.budgets: dict[str, int] = {}
+        self.sizers: dict[str, TreeSizer] = {}  # per sized method, learning across its requests
+        self._verify_ms: dict[int, float] | None = None
         self.rows: list[dict] = []
         self.scheduler, self.heads = self._load_scheduler()
 
@@ -198,18 +212,30 @@ class Evaluation:
         return found
 
     # -- methods --------------------------------------------------------------------------------------
-    def _decoder(self, budget: int, probes: tuple[int, ...] = (), published: bool = False) -> Decoder:
-        tree = TreeConfig(budget=budget, **({"long_chain": 0} if published else {}))
-        return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes)
+    def verify_ms(self) -> dict[int, float]:
+        """This device's verification ms by tree size (measured once, cached: budget.latency_profile)."""
+        if self._verify_ms is None:
+            self._verify_ms = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
+            self.log("verification latency by tree size (ms): "
+                     + ", ".join(f"{b}: {ms:.0f}" for b, ms in self._verify_ms.items()))
+        return self._verify_ms
+
+    def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
+        tree = TreeConfig(budget=budget, **({"long_chain": 0} if PUBLISHED in method else {}))
+        sizer = None
+        if is_sized(method):
+            costs = self.verify_ms()
+            sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
+        return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
+                       sizer=sizer)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        published = method.endswith(PUBLISHED)
-        if published and self.engine is not None:
-            raise ValueError(f"{method}: the distributed engine runs one tree config; drop {PUBLISHED}")
-        decoder = self.engine if self.engine is not None else self._decoder(budget, probes, published)
+        if self.engine is not None and (PUBLISHED in method or SIZED in method):
+            raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
+        decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if method == ORACLE:
             return self._oracle(decoder, budget)
         if method == VALUE_PLANNER:
@@ -246,9 +272,7 @@ class Evaluation:
         ours = [m for m in self.cfg.methods if m not in PEER_METHODS and m != AR_METHOD]
         auto = self.cfg.budget == "auto" or bool(fixed) and any(m not in fixed for m in ours)
         if auto:
-            profile = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
-            self.log("verification latency by tree size (ms): "
-                     + ", ".join(f"{b}: {ms:.0f}" for b, ms in profile.items()))
+            profile = self.verify_ms()
             probes = tuple(profile)  # the sizes worth measuring on this device
         for method in tqdm(self.cfg.methods, desc="warm-up", file=sys.stderr):
             if method in fixed:
@@ -257,6 +281,10 @@ class Evaluation:
             elif auto and method in ARTIFACT_METHODS and self.scheduler is not None:
                 # The scheduler was fitted for one budget: its decisions assume that tree size.
                 self.budgets[method] = int(self.scheduler.info.cost_profile["budget"])
+                self.runner(method, self.budgets[method])(prompts[0], 8)
+            elif auto and is_sized(method):
+                # Its sizer picks each round's size up to the largest this device measured.
+                self.budgets[method] = max(profile)
                 self.runner(method, self.budgets[method])(prompts[0], 8)
             elif auto and method not in PEER_METHODS and method != AR_METHOD:
                 accepted_at, draft_s, rounds = {}, 0.0, 0
@@ -310,22 +338,27 @@ class Evaluation:
                 bar.update()
             reference = results[AR_METHOD].tokens
             for method in cfg.methods:
-                gen = results[method]
-                check = classify(self.target.lm, p.ids, reference, gen.tokens)
-                where = f"{p.benchmark}/{p.prompt_id} (turn {p.turn})"
-                if check.verdict == MISMATCH and is_ours(method):
-                    mismatches.append((method, p.benchmark, p.prompt_id))
-                    tqdm.write(f"MISMATCH: {method} differs from ar on {where}: {check.reason}", file=sys.stderr)
-                elif check.verdict == NEAR_TIE:
-                    tqdm.write(f"near-tie (rounding, not a mismatch): {method} on {where}: {check.reason}",
-                               file=sys.stderr)
                 budget = None if method in PEER_METHODS or method == AR_METHOD else self.budgets[method]
-                self.rows.append(_row(method, p, gen, check, budget))
+                row = self.judge(method, p, results[method], reference, budget)
+                if row["verdict"] == MISMATCH and is_ours(method):
+                    mismatches.append((method, p.benchmark, p.prompt_id))
+                self.rows.append(row)
             write_parquet_atomic(pa.Table.from_pylist(self.rows), cfg.out / "results.parquet")
         bar.close()
         summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
         summary.write(cfg.out)
         return dataclasses.replace(summary, mismatches=mismatches)
+
+    def judge(self, method: str, p: Prompt, gen: Generation, reference: list[int], budget: int | None) -> dict:
+        """The result row of `gen` (`method` on prompt `p`) with its verdict against ar's `reference` tokens on
+        the same prompt; a mismatch in one of our methods and a near-tie are printed."""
+        check = classify(self.target.lm, p.ids, reference, gen.tokens)
+        where = f"{p.benchmark}/{p.prompt_id} (turn {p.turn})"
+        if check.verdict == MISMATCH and is_ours(method):
+            tqdm.write(f"MISMATCH: {method} differs from ar on {where}: {check.reason}", file=sys.stderr)
+        elif check.verdict == NEAR_TIE:
+            tqdm.write(f"near-tie (rounding, not a mismatch): {method} on {where}: {check.reason}", file=sys.stderr)
+        return _row(method, p, gen, check, budget)
 
 
 def _row(method: str, p: Prompt, gen: Generation, check: Check, budget: int | None) -> dict:

@@ -1,0 +1,85 @@
+"""Adaptive tree sizing: the chosen tree is closed under ancestors, sized by cost, learned from verdicts, and
+decoding with it still reproduces the target's greedy output."""
+
+import numpy as np
+import pytest
+
+from test_engine import pair, prompts
+from tiny import hf_greedy
+from treegraft_dist.engine import Decoder
+from treegraft_dist.sizing import TreeSizer
+from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
+
+
+def chain_and_bush() -> DraftTree:
+    """Root -> a 6-token chain (edge log-prob 0: a copied span), plus 3 siblings of its first token and
+    2 children under each of them (edge log-prob -2)."""
+    tree = DraftTree(0)
+    parents = [0, 1, 2, 3, 4, 5] + [0, 0, 0] + [7, 7, 8, 8, 9, 9]
+    n = len(parents)
+    edge = np.array([0.0] * 6 + [-2.0] * 9)
+    scores = np.zeros(n)
+    for j, p in enumerate(parents):
+        scores[j] = (scores[p - 1] if p else 0.0) + edge[j]
+    tree.graft(Proposal(1, np.array(parents), np.arange(10, 10 + n), scores, ORIGIN_NGRAM), 1)
+    return tree
+
+
+def test_choice_is_ancestor_closed_and_follows_costs():
+    tree = chain_and_bush()
+    # Trees cost nothing up to 8 nodes, then a lot: the sizer takes 8 nodes, the best-ranked children first.
+    sizer = TreeSizer({1: 100.0, 8: 100.0, 16: 400.0}, max_size=16)
+    pruned, kept, choice = sizer.choose(tree)
+    assert choice.size == 8 == pruned.size == len(kept)
+    assert set(tree.parents[kept[1:]]) <= set(kept)
+    assert {0, 1, 2, 7} <= set(kept)  # rank 0 before rank 1 at each depth (the prior)
+    # A device where a one-node pass is far cheaper than any tree: plain decoding's step.
+    sizer = TreeSizer({1: 10.0, 8: 100.0, 16: 400.0}, max_size=16)
+    assert sizer.choose(tree)[2].size == 1
+    # max_size bounds the choice even where bigger trees are free.
+    sizer = TreeSizer({1: 100.0, 8: 100.0, 16: 100.0}, max_size=8)
+    assert sizer.choose(tree)[2].size == 8
+    with pytest.raises(ValueError, match="no measured tree size"):
+        TreeSizer({16: 1.0}, max_size=8)
+
+
+def test_acceptance_probabilities_learn_from_verdicts():
+    tree = chain_and_bush()
+    sizer = TreeSizer({1: 100.0, 16: 100.0}, max_size=16)
+    before = sizer.acceptance(tree)
+    assert before[0] == 1.0 and np.all(np.diff(before[1:7]) < 0)  # P falls down a path
+    # Siblings' probabilities never sum past their parent's.
+    assert before[[1, 7, 8, 9]].sum() <= 1.0 + 1e-12
+    for _ in range(30):  # the chain is always accepted whole
+        pruned, kept, _ = sizer.choose(tree)
+        sizer.observe(tree, kept, [int(np.flatnonzero(kept == i)[0]) for i in range(1, 7)])
+    after = sizer.acceptance(tree)
+    assert after[6] > before[6] + 0.3
+    assert after[7] < before[7]  # the siblings of an accepted node were rejected every time
+
+
+@pytest.mark.parametrize("method", ["all-small", "01001"])
+def test_sized_decoding_equals_target_greedy(method):
+    target, mid = pair("llama", "close")
+    sizer = TreeSizer({1: 10.0, 4: 11.0, 8: 12.0, 16: 20.0, 32: 35.0}, max_size=32)
+    dec = Decoder(target, mid, sizer=sizer)
+    sizes = []
+    for prompt in prompts(7):
+        gen = dec.generate(prompt, 40, method)
+        assert gen.tokens == hf_greedy(target, prompt, 40), (method, prompt)
+        sizes += gen.stats.tree_sizes
+    assert len(set(sizes)) > 1  # the size follows the tree, not a constant
+
+
+def test_a_new_request_starts_from_the_table_across_requests():
+    tree = chain_and_bush()
+    sizer = TreeSizer({1: 100.0, 16: 100.0}, max_size=16)
+    prior = sizer.acceptance(tree)
+    for _ in range(10):  # this request accepts the chain whole every round
+        pruned, kept, _ = sizer.choose(tree)
+        sizer.observe(tree, kept, [int(np.flatnonzero(kept == i)[0]) for i in range(1, 7)])
+    within = sizer.acceptance(tree)
+    sizer.start_request()
+    fresh = sizer.acceptance(tree)
+    # The request's own counts weigh more than what it taught the table across requests.
+    assert prior[6] < fresh[6] < within[6]

@@ -1,0 +1,143 @@
+"""Adaptive tree sizing: per round, which nodes to verify and how many, from calibrated acceptance and the
+device's verification costs.
+
+A fixed budget verifies the same number of nodes every round, whether the drafted tree holds a confident
+copied span (worth a large tree) or nothing at all (where a one-node step would cost less). `TreeSizer`
+decides per round instead:
+
+  acceptance  every node gets q, the probability that the target accepts it given that its parent was
+              accepted, from a small calibration table learned online from the verdicts (cells: origin,
+              only child or rank among its siblings, depth and the drafter's own log-prob for the edge;
+              Beta prior), the current request's own counts weighed against the table across requests;
+              P(node) = P(parent) * q, siblings normalised so that at most one can be accepted (greedy).
+  selection   the best n nodes by P are closed under ancestors (P never grows down a path) and hold the
+              most expected accepted tokens of any n-node tree under the table: E(n) = sum of their P.
+  size        n among the tree sizes the device profile measured (up to the largest allowed), maximising
+              expected tokens per millisecond: (1 + E(n)) / (verification_ms(n) + drafting_ms).
+
+Output is unaffected (verification is lossless for any tree); only which tree is verified changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tree import ORIGIN_MIDDLE, DraftTree
+
+# Calibration cells. Edge log-prob bins (upper edges, nats): near-certain or unknown (an n-gram copy of
+# generated text has no prefill log-prob: 0), likely, possible, unlikely.
+EDGE_BINS = np.array([-1.5, -0.3, -0.01])  # np.digitize -> 0 (< -1.5) .. 3 (>= -0.01)
+# Sibling rank (insertion order: each drafter appends its children best first): an only child (a copied
+# span continuing, mostly), then rank 0, 1, 2+ of several.
+RANKS = 4
+DEPTH_BINS = np.array([2, 3, 5, 9])  # np.digitize -> depth 1, 2, 3-4, 5-8, 9+
+ORIGINS = 2  # n-gram, middle
+PRIOR_WEIGHT = 4.0
+# How acceptance varies between requests (a code edit copies its prompt, a chat answer does not) outweighs
+# how it varies within one: per request, a cell's estimate is its own counts with the table across requests
+# as a prior of this many trials.
+REQUEST_PRIOR_WEIGHT = 6.0
+PRIOR_MEAN_BY_RANK = np.array([0.6, 0.4, 0.15, 0.05])
+Q_MAX = 0.98  # q < 1 keeps P strictly decreasing down a path
+
+
+@dataclass
+class SizeChoice:
+    size: int  # nodes verified, root included
+    expected: float  # expected accepted tokens (bonus token excluded) of that tree under the table
+    sizes: dict[int, float] = field(default_factory=dict)  # candidate size -> expected tokens per ms
+
+
+class TreeSizer:
+    """The calibration table (learned across the requests it sees) and the per-round choice."""
+
+    def __init__(self, verify_ms: dict[int, float], max_size: int, drafting_ms: float = 1.0):
+        """`verify_ms`: target verification ms by tree size as measured on this device (budget.latency_profile);
+        sizes above `max_size` are never chosen."""
+        sizes = sorted(s for s in verify_ms if 1 <= s <= max_size)
+        if not sizes:
+            raise ValueError(f"no measured tree size is <= {max_size}: measured {sorted(verify_ms)}")
+        self.sizes = np.array(sizes)
+        self.cost = np.array([verify_ms[s] for s in sizes], np.float64)
+        self.drafting_ms = drafting_ms
+        shape = (ORIGINS, RANKS, len(DEPTH_BINS) + 1, len(EDGE_BINS) + 1)
+        prior = np.broadcast_to(PRIOR_MEAN_BY_RANK[None, :, None, None], shape)
+        self.hits = prior * PRIOR_WEIGHT  # Beta posterior across requests: hits / trials is the mean
+        self.trials = np.full(shape, PRIOR_WEIGHT)
+        self.start_request()
+
+    def start_request(self) -> None:
+        """Forget the current request's own counts (the table across requests stays)."""
+        self.request_hits = np.zeros_like(self.hits)
+        self.request_trials = np.zeros_like(self.trials)
+
+    def q_table(self) -> np.ndarray:
+        """P(accepted | parent accepted) per cell for the current request."""
+        across = self.hits / self.trials
+        q = (self.request_hits + REQUEST_PRIOR_WEIGHT * across) / (self.request_trials + REQUEST_PRIOR_WEIGHT)
+        return np.minimum(q, Q_MAX)
+
+    # -- per node -------------------------------------------------------------------------------------
+    def cells(self, tree: DraftTree) -> tuple[np.ndarray, ...]:
+        """Index arrays [size - 1] (root excluded) into the table for every node of `tree`."""
+        n = tree.size
+        nodes = np.arange(1, n)
+        parents = tree.parents[1:n]
+        # Rank among siblings by insertion id: the position within its parent's group, ids ascending.
+        order = np.lexsort((nodes, parents))
+        first = np.r_[0, np.flatnonzero(np.diff(parents[order])) + 1]
+        group_start = np.repeat(first, np.diff(np.r_[first, len(order)]))
+        rank = np.empty(n - 1, np.int64)
+        rank[order] = np.arange(n - 1) - group_start
+        only = np.bincount(parents, minlength=n)[parents] == 1
+        rank = np.where(only, 0, np.minimum(rank + 1, RANKS - 1))
+        edge = tree.scores[1:n] - tree.scores[parents]
+        return ((tree.origins[1:n] == ORIGIN_MIDDLE).astype(np.int64), rank,
+                np.digitize(tree.depths[1:n], DEPTH_BINS), np.digitize(edge, EDGE_BINS))
+
+    def acceptance(self, tree: DraftTree) -> np.ndarray:
+        """[size] P(node accepted) under the table; P(root) = 1."""
+        n = tree.size
+        q = np.zeros(n)
+        q[1:] = self.q_table()[self.cells(tree)]
+        # Greedy acceptance takes at most one child: a parent's children share at most its probability.
+        total = np.bincount(tree.parents[1:n], weights=q[1:], minlength=n)
+        q[1:] /= np.maximum(total[tree.parents[1:n]], 1.0)
+        p = np.ones(n)
+        for level in tree.levels()[1:]:
+            p[level] = p[tree.parents[level]] * q[level]
+        return p
+
+    # -- per round ------------------------------------------------------------------------------------
+    def choose(self, tree: DraftTree) -> tuple[DraftTree, np.ndarray, SizeChoice]:
+        """The tree to verify: (pruned tree, original id of each of its nodes, the choice)."""
+        p = self.acceptance(tree)
+        # Best first by P; ties (equal P) by depth then id, so a parent always precedes its children.
+        order = np.lexsort((np.arange(1, tree.size), tree.depths[1 : tree.size], -p[1:])) + 1
+        expected = np.r_[0.0, np.cumsum(p[order])]  # expected[k]: the best k nodes below the root
+        reachable = np.minimum(self.sizes, tree.size)
+        rate = (1.0 + expected[reachable - 1]) / (self.cost + self.drafting_ms)
+        best = int(np.argmax(rate))
+        size = int(reachable[best])
+        kept = np.sort(np.r_[0, order[: size - 1]])
+        choice = SizeChoice(size, float(expected[size - 1]),
+                            {int(s): float(r) for s, r in zip(self.sizes, rate)})
+        return tree.subtree(kept), kept, choice
+
+    def observe(self, tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> None:
+        """Learn from one verdict: every verified node whose parent was accepted (the root always is) is a
+        trial, a hit when it was accepted itself. `accepted`: ids of the verified tree (root excluded)."""
+        on_path = np.zeros(tree.size, bool)
+        on_path[0] = True
+        on_path[kept[accepted]] = True
+        nodes = kept[1:]
+        tried = nodes[on_path[tree.parents[nodes]]]
+        if not len(tried):
+            return
+        cells = tuple(c[tried - 1] for c in self.cells(tree))
+        hit = on_path[tried].astype(np.float64)
+        for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
+            np.add.at(trials, cells, 1.0)
+            np.add.at(hits, cells, hit)
