@@ -3,7 +3,6 @@
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 from treegraft_dist.cli import main
@@ -12,11 +11,8 @@ from treegraft_dist.value import NUM_SCHEDULES, NUM_STATES
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    """The session's cluster (conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,8 @@ METHODS = ("ar", "all-small", "all-mid", "01001", "10110")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, num_gpus=4, object_store_memory=200 * 1024**2, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    """The session's cluster (conftest.py)."""
 
 
 class Pair:
