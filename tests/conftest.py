@@ -6,10 +6,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray cluster for the whole session (starting one costs seconds): 2 CPUs, 4 fake GPUs for
-    placement, a small object store."""
+    """The local Ray cluster of a test module: 2 CPUs, 4 fake GPUs for placement, a small object store. It is
+    shut down after the module, so that tests starting their own cluster (`ray start`, test_sweep.py) do not
+    compete with an idle one."""
     import ray
 
     ray.init(num_cpus=2, num_gpus=4, object_store_memory=200 * 1024**2, include_dashboard=False,
