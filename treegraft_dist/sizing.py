@@ -20,7 +20,7 @@ Output is unaffected (verification is lossless for any tree); only which tree is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,7 +47,6 @@ Q_MAX = 0.98  # q < 1 keeps P strictly decreasing down a path
 class SizeChoice:
     size: int  # nodes verified, root included
     expected: float  # expected accepted tokens (bonus token excluded) of that tree under the table
-    sizes: dict[int, float] = field(default_factory=dict)  # candidate size -> expected tokens per ms
 
 
 class TreeSizer:
@@ -122,9 +121,7 @@ class TreeSizer:
         best = int(np.argmax(rate))
         size = int(reachable[best])
         kept = np.sort(np.r_[0, order[: size - 1]])
-        choice = SizeChoice(size, float(expected[size - 1]),
-                            {int(s): float(r) for s, r in zip(self.sizes, rate)})
-        return tree.subtree(kept), kept, choice
+        return tree.subtree(kept), kept, SizeChoice(size, float(expected[size - 1]))
 
     def observe(self, tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> None:
         """Learn from one verdict: every verified node whose parent was accepted (the root always is) is a
