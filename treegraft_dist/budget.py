@@ -82,9 +82,9 @@ def device_name(device: torch.device) -> str:
 
 
 def model_key(lm: CausalLM, source: str) -> str:
-    params = sum(p.numel() for p in lm.model.parameters())
     name = Path(source.rstrip("/")).name or "model"
-    return f"{name}-{params}-{str(lm.dtype).removeprefix('torch.')}"
+    # Packed linears cost differently from stock ones: a profile is per kernel path too.
+    return f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-packed' if lm.packed else ''}"
 
 
 def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:

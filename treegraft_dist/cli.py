@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import precision
+from . import kernels, precision
 from .benchmarks import BENCHMARKS, builtin, chat_prompt
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
@@ -86,6 +86,8 @@ def load_pair(args, need_middle: bool):
     if getattr(args, "distributed", False):
         return describe_model(t_src, t_tok), (describe_model(m_src, m_tok) if m_src else None)
     target = load_model(t_src, args.device, args.dtype, t_tok)
+    if target.lm.device.type == "cpu":
+        print(f"treegraft: {kernels.describe(target.lm.dtype)}", file=sys.stderr)
     if m_src is None:
         return target, None
     middle = load_model(m_src, args.device, args.dtype, m_tok)

@@ -29,6 +29,18 @@ class CausalLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = self.head.weight.shape[0]
+        self.num_params = sum(p.numel() for p in model.parameters())  # as loaded (packing drops dense copies)
+        self.packed = False
+
+    def pack_linears(self) -> bool:
+        """On a CPU, run the linear layers through oneDNN on weights packed once where that is this
+        processor's faster path (kernels.py); returns whether they now are. Weights are final afterwards."""
+        from . import kernels
+
+        if not self.packed and self.device.type == "cpu" and kernels.choice(self.dtype).packed:
+            kernels.pack(self.model)
+            self.packed = True
+        return self.packed
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

@@ -100,15 +100,20 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(source: str, device: str = "auto", dtype: str = "auto",
-               tokenizer: PreTrainedTokenizerBase | None = None) -> LoadedModel:
-    """Load a causal LM (and its tokenizer unless given); a missing folder or unknown id raises ModelError."""
+               tokenizer: PreTrainedTokenizerBase | None = None, pack: bool = True) -> LoadedModel:
+    """Load a causal LM (and its tokenizer unless given); a missing folder or unknown id raises ModelError.
+    On a CPU its linear layers run packed where that is faster here (`CausalLM.pack_linears`; `pack=False`:
+    stock, e.g. to change the weights afterwards)."""
     dev = pick_device(device)
     tok = tokenizer if tokenizer is not None else load_tokenizer(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(_resolve_folder(source), dtype=pick_dtype(dtype, dev))
     except (OSError, ValueError) as e:
         raise e if isinstance(e, ModelError) else _load_error(source, e) from e
-    return LoadedModel(CausalLM(model.to(dev)), tok, source)
+    lm = CausalLM(model.to(dev))
+    if pack:
+        lm.pack_linears()
+    return LoadedModel(lm, tok, source)
 
 
 def check_tokenizers(target: PreTrainedTokenizerBase, middle: PreTrainedTokenizerBase, target_src: str,

@@ -1,0 +1,106 @@
+"""Packed CPU linear layers (kernels.py): same outputs as the stock ones, lossless speculation on them."""
+
+import copy
+
+import pytest
+import torch
+
+from tiny import perturbed_copy, save_tiny, char_tokenizer, tiny_model
+from treegraft_dist import kernels
+from treegraft_dist.budget import model_key
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Decoder
+from treegraft_dist.hf import CausalLM
+from treegraft_dist.kernels import LINEAR_ENV, PackedLinear
+from treegraft_dist.models import load_model
+
+pytestmark = pytest.mark.skipif(kernels.unsupported(torch.float32) is not None,
+                                reason=f"{kernels.unsupported(torch.float32)}")
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """kernels.choice is decided once per process: clear it around a test that sets $TREEGRAFT_LINEAR."""
+    kernels.choice.cache_clear()
+    yield monkeypatch
+    kernels.choice.cache_clear()
+
+
+def packed(model) -> CausalLM:
+    lm = CausalLM(copy.deepcopy(model))
+    kernels.pack(lm.model)
+    lm.packed = True
+    return lm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_logits_equal_stock_ones_to_fp32_rounding(arch):
+    model = tiny_model(arch, seed=3)
+    stock, fast = CausalLM(model), packed(model)
+    ids = torch.arange(5, 45)
+    ref = stock.logits(stock.hidden(stock.new_cache(), ids, torch.arange(40)))
+    out = fast.logits(fast.hidden(fast.new_cache(), ids, torch.arange(40)))
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
+def test_pack_keeps_the_head_dense_and_drops_the_other_dense_weights():
+    model = tiny_model("llama", seed=1)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    lm = packed(model)
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == n_linear and all(isinstance(m, PackedLinear) for m in linears)
+    assert lm.head.weight is not None and lm.head.weight.shape[0] == lm.vocab_size
+    assert all(m.weight is None for m in linears if m is not lm.head)
+    # The parameter count names the model as loaded, so a packed model's profile key differs only by the suffix.
+    assert lm.num_params == sum(p.numel() for p in model.parameters())
+    assert model_key(lm, "tiny") == model_key(CausalLM(model), "tiny") + "-packed"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_speculation_on_packed_models_reproduces_packed_greedy_decoding_in_fp32(arch):
+    model = tiny_model(arch, seed=0)
+    target, middle = packed(model), packed(perturbed_copy(model, 0.3, 1))
+    prompt = [3, 9, 27, 81 % 96, 5, 3, 9, 27, 11, 40, 3, 9]
+    dec = Decoder(target, middle, TreeConfig(budget=16))
+    ref = dec.generate(prompt, 32, "ar").tokens
+    # Packed and stock products round alike here: greedy decoding agrees too.
+    assert ref == Decoder(CausalLM(model)).generate(prompt, 32, "ar").tokens
+    for method in ("all-small", "all-mid", "01010", "10000"):
+        gen = dec.generate(prompt, 32, method)
+        assert gen.tokens == ref, method
+        assert max(gen.stats.tree_sizes) > 1, method  # trees were verified, not plain steps
+
+
+def test_load_model_packs_on_cpu_unless_told_not_to(tmp_path, fresh_choice):
+    folder = save_tiny(tmp_path / "m", tiny_model("llama"), char_tokenizer())
+    fresh_choice.setenv(LINEAR_ENV, "packed")
+    assert load_model(folder, "cpu", "float32").lm.packed
+    assert not load_model(folder, "cpu", "float32", pack=False).lm.packed
+    kernels.choice.cache_clear()
+    fresh_choice.setenv(LINEAR_ENV, "stock")
+    lm = load_model(folder, "cpu", "float32").lm
+    assert not lm.packed and kernels.choice(torch.float32).reason == f"${LINEAR_ENV}=stock"
+
+
+def test_auto_measures_and_says_what_it_measured(fresh_choice):
+    fresh_choice.delenv(LINEAR_ENV, raising=False)
+    c = kernels.choice(torch.float32)
+    assert "probe 1 rows: stock" in c.reason and "16 rows" in c.reason
+    assert kernels.describe(torch.float32).startswith("CPU linear layers in float32: ")
+
+
+def test_a_bad_setting_or_an_unsupported_dtype_is_a_clear_error(fresh_choice):
+    fresh_choice.setenv(LINEAR_ENV, "fast")
+    with pytest.raises(ValueError, match="use auto, packed or stock"):
+        kernels.choice(torch.float32)
+    kernels.choice.cache_clear()
+    why_not = kernels.unsupported(torch.bfloat16)
+    if why_not is None:
+        pytest.skip("this processor runs bf16 packed")
+    fresh_choice.setenv(LINEAR_ENV, "packed")
+    with pytest.raises(ValueError, match="does not run bfloat16 here"):
+        kernels.choice(torch.bfloat16)
+    fresh_choice.setenv(LINEAR_ENV, "auto")
+    kernels.choice.cache_clear()
+    assert not kernels.choice(torch.bfloat16).packed

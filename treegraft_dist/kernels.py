@@ -1,0 +1,136 @@
+"""CPU linear layers through oneDNN with their weights packed once.
+
+A draft tree is verified in one pass of a few to a few dozen rows, and on a CPU that pass is almost all
+matrix products against the weights. PyTorch's stock `nn.Linear` hands a small-row product to a BLAS
+that, on some processors, costs about a full one-row pass per row: measured on a 2-core AMD EPYC with
+AVX2 in fp32 (BENCHMARKS.md), a 2-node tree of the 1.5B target cost 1.95x a plain step and the sizer
+found no tree worth verifying. oneDNN's linear with the weight reordered once into its blocked layout
+reads each weight once per pass whatever the row count up to a few dozen: there the same 2-node tree
+costs about 1.2x a plain step, a 16-node tree 2.7x instead of 3.3x, and the plain step itself is faster.
+
+`choice(dtype)` decides per process and precision: packed where this torch build has oneDNN, its packed
+linear takes the dtype on this processor (bf16 needs avx512bw/vl/dq or avx_ne_convert), and a short probe
+does not find it slower than the stock product at both one row and a 16-row tree (it is not expected to
+be; the probe guards a processor where it would be). $TREEGRAFT_LINEAR=stock or =packed overrides.
+
+`pack(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear` and drops the dense weight,
+so memory stays what it was, except the output head's, which stays dense too: it is often tied to the
+input embeddings, and the logit of one given token reads a row of it. A packed model cannot move to
+another device or change its weights afterwards; load it again for that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | packed | stock
+_PROBE_DIM = 1536
+_PROBE_ROWS = (1, 16)
+_PROBE_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Choice:
+    packed: bool
+    reason: str
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def unsupported(dtype: torch.dtype) -> str | None:
+    """Why oneDNN's packed linear cannot run `dtype` here, or None where it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    try:
+        with torch.no_grad():
+            w = torch.ones(16, 16, dtype=dtype)
+            _packed_linear(torch.ones(2, 16, dtype=dtype), _reorder(w), None)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return f"oneDNN's packed linear does not run {str(dtype).removeprefix('torch.')} here ({str(e).splitlines()[0]})"
+    return None
+
+
+def _best_ms(fn) -> float:
+    times = []
+    for _ in range(_PROBE_REPEATS + 1):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return min(times[1:])  # another process's burst only ever slows a repeat down
+
+
+def probe(dtype: torch.dtype) -> tuple[bool, str]:
+    """(packed no slower than stock at some probed size, what was measured): the products of a
+    [2 * 1536, 1536] weight with 1 and 16 rows, each the best of several repeats."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g).to(dtype)
+    with torch.inference_mode():
+        packed = _reorder(w)
+        ms = {}
+        for r in _PROBE_ROWS:
+            x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
+            ms[r] = (_best_ms(lambda: nn.functional.linear(x, w)), _best_ms(lambda: _packed_linear(x, packed, None)))
+    wins = any(p <= s for s, p in ms.values())
+    text = ", ".join(f"{r} rows: stock {s:.2f} ms, packed {p:.2f} ms" for r, (s, p) in ms.items())
+    return wins, f"probe {text}"
+
+
+@functools.cache
+def choice(dtype: torch.dtype) -> Choice:
+    """Whether CPU linears in `dtype` run packed in this process, and why."""
+    mode = os.environ.get(LINEAR_ENV, "auto")
+    if mode not in ("auto", "packed", "stock"):
+        raise ValueError(f"${LINEAR_ENV}={mode!r}: use auto, packed or stock")
+    if mode == "stock":
+        return Choice(False, f"${LINEAR_ENV}=stock")
+    why_not = unsupported(dtype)
+    if why_not is not None:
+        if mode == "packed":
+            raise ValueError(f"${LINEAR_ENV}=packed: {why_not}; unset it to let the stock linear run")
+        return Choice(False, why_not)
+    if mode == "packed":
+        return Choice(True, f"${LINEAR_ENV}=packed")
+    wins, measured = probe(dtype)
+    return Choice(wins, f"{measured} ({'packed' if wins else 'stock faster at every size'})")
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose product runs through oneDNN on a weight packed once (`pack`)."""
+
+    packed_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_linear(x, self.packed_weight, self.bias)
+
+
+def pack(model: nn.Module) -> int:
+    """Pack every `nn.Linear` of a CPU `model` in place (see the module docstring); returns how many."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is not nn.Linear or module.weight.device.type != "cpu":
+                continue
+            module.packed_weight = _reorder(module.weight.detach())
+            module.__class__ = PackedLinear
+            if module is not head:
+                module.weight = None  # the packed copy replaces it
+            count += 1
+    return count
+
+
+def describe(dtype: torch.dtype) -> str:
+    c = choice(dtype)
+    return f"CPU linear layers in {str(dtype).removeprefix('torch.')}: {'packed (oneDNN)' if c.packed else 'stock'} ({c.reason})"
