@@ -69,7 +69,7 @@ def main() -> None:
         for k in (lms if rep % 2 == 0 else list(lms)[::-1]):
             for n in SIZES:
                 ms[k, n] = min(ms.get((k, n), float("inf")), forward_ms(lms[k], n, repeats=2, cache=caches[k]))
-    print("\n| tree size | " + " | ".join(map(str, SIZES)) + " |\n|---" * (len(SIZES) + 1) + "|")
+    print("\n| tree size | " + " | ".join(map(str, SIZES)) + " |\n" + "|---" * (len(SIZES) + 1) + "|")
     for k in lms:
         print(f"| {k} ms | " + " | ".join(f"{ms[k, n]:.0f}" for n in SIZES) + " |")
     for k in lms:

@@ -21,12 +21,14 @@ def test_probe_follows_the_timings(monkeypatch):
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2"})
     precision.cpu_choice.cache_clear()
     fast = {torch.float32: 2.0, torch.bfloat16: 1.0}
-    monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: fast[dtype])
+    # best_ms times 4 products per call: a probe's ms are per product.
+    monkeypatch.setattr(precision, "best_ms", lambda fns, repeats: {(r, d): 4 * fast[d] for r, d in fns})
     choice = precision.cpu_choice()
     assert choice.dtype == torch.bfloat16 and "fp32 2.00 ms, bf16 1.00 ms" in choice.reason
     precision.cpu_choice.cache_clear()
     # bf16 slower for one decoding step (emulated bf16): fp32 stays.
-    monkeypatch.setattr(precision, "_matmul_ms", lambda rows, dtype: 3.0 if dtype == torch.bfloat16 and rows == 1 else 1.0)
+    monkeypatch.setattr(precision, "best_ms", lambda fns, repeats: {
+        (r, d): 12.0 if d == torch.bfloat16 and r == 1 else 4.0 for r, d in fns})
     assert precision.cpu_choice().dtype == torch.float32
     # Native flags decide without a probe.
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .precision import best_ms
 
 LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | packed | stock
 _PROBE_DIM = 1536
@@ -62,28 +63,21 @@ def unsupported(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _best_ms(fn) -> float:
-    times = []
-    for _ in range(_PROBE_REPEATS + 1):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return min(times[1:])  # another process's burst only ever slows a repeat down
-
-
 def probe(dtype: torch.dtype) -> tuple[bool, str]:
     """(packed no slower than stock at some probed size, what was measured): the products of a
-    [2 * 1536, 1536] weight with 1 and 16 rows, each the best of several repeats."""
+    [2 * 1536, 1536] weight with 1 and 16 rows, stock and packed interleaved, each the best of repeats."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g).to(dtype)
-    with torch.inference_mode():
+    with torch.no_grad():
         packed = _reorder(w)
-        ms = {}
-        for r in _PROBE_ROWS:
-            x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
-            ms[r] = (_best_ms(lambda: nn.functional.linear(x, w)), _best_ms(lambda: _packed_linear(x, packed, None)))
-    wins = any(p <= s for s, p in ms.values())
-    text = ", ".join(f"{r} rows: stock {s:.2f} ms, packed {p:.2f} ms" for r, (s, p) in ms.items())
+    fns = {}
+    for r in _PROBE_ROWS:
+        x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
+        fns[r, "stock"] = lambda x=x: nn.functional.linear(x, w)
+        fns[r, "packed"] = lambda x=x: _packed_linear(x, packed, None)
+    ms = best_ms(fns, _PROBE_REPEATS)
+    wins = any(ms[r, "packed"] <= ms[r, "stock"] for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} rows: stock {ms[r, 'stock']:.2f} ms, packed {ms[r, 'packed']:.2f} ms" for r in _PROBE_ROWS)
     return wins, f"probe {text}"
 
 

@@ -58,23 +58,37 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-def _matmul_ms(rows: int, dtype: torch.dtype) -> float:
+def _matmul_fn(rows: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g).to(dtype)  # [out, in], as nn.Linear stores it
     x = torch.randn(rows, _PROBE_DIM, generator=g).to(dtype)
-    times = []
+
+    def run():
+        for _ in range(4):
+            torch.nn.functional.linear(x, w)
+    return run
+
+
+def best_ms(fns: dict, repeats: int) -> dict:
+    """The best time (ms) of each function over `repeats` rounds, the functions interleaved within a round:
+    another process's burst only ever slows a call down, and it slows the candidates alike."""
+    best = dict.fromkeys(fns, float("inf"))
     with torch.inference_mode():
-        for _ in range(_PROBE_REPEATS + 1):
-            t = time.perf_counter()
-            for _ in range(4):
-                torch.nn.functional.linear(x, w)
-            times.append((time.perf_counter() - t) * 1e3 / 4)
-    return min(times[1:])  # the best repeat: another process's burst only ever slows one down
+        for fn in fns.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                best[k] = min(best[k], (time.perf_counter() - t) * 1e3)
+    return best
 
 
 def probe() -> tuple[bool, str]:
     """(bf16 faster at every probed size, what was measured)."""
-    ms = {(r, d): _matmul_ms(r, d) for r in _PROBE_ROWS for d in (torch.float32, torch.bfloat16)}
+    ms = best_ms({(r, d): _matmul_fn(r, d) for r in _PROBE_ROWS for d in (torch.float32, torch.bfloat16)},
+                 _PROBE_REPEATS)
+    ms = {k: v / 4 for k, v in ms.items()}
     wins = all(ms[r, torch.bfloat16] < ms[r, torch.float32] for r in _PROBE_ROWS)
     text = ", ".join(f"{r} x {_PROBE_DIM}: fp32 {ms[r, torch.float32]:.2f} ms, bf16 {ms[r, torch.bfloat16]:.2f} ms"
                      for r in _PROBE_ROWS)
