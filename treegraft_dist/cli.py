@@ -15,7 +15,8 @@ from .engine import AR_METHOD, Decoder
 from .evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
 from .models import (LoadedModel, ModelError, check_pair, check_tokenizers, describe_model, load_model,
                      load_tokenizer, pick_device)
-from .prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, resolve_model_path
+from .prepare import (DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, prepare_missing,
+                      resolve_model_path)
 from .sampling import SamplingParams
 from .schedule import fixed_schedule
 
@@ -67,6 +68,8 @@ def tree_config(args) -> TreeConfig:
 def resolve_pair(args, need_middle: bool) -> tuple[str, object, str | None, object]:
     """(target source, tokenizer, middle source or None, tokenizer): embedded names prepared on demand,
     tokenizers compared before any weights are loaded."""
+    if need_middle and args.middle.lower() != "none":
+        prepare_missing([args.target, args.middle], args.cache_dir)  # both side by side where both are to build
     t_src = resolve_model_path(args.target, args.cache_dir)
     t_tok = load_tokenizer(t_src)
     if not need_middle or args.middle.lower() == "none":
