@@ -85,7 +85,7 @@ def _load(cfg: dict):
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     target = load_model(cfg["target"], cfg["device"], cfg["dtype"])
-    middle = load_model(cfg["middle"], cfg["device"], cfg["dtype"])
+    middle = load_model(cfg["middle"], cfg["device"], cfg["dtype"], drafter=True)
     return target, middle
 
 

@@ -46,7 +46,7 @@ class NeuralSpec:
     lookback: int
 
     def load(self, device: str):
-        return load_model(self.path, device, self.dtype).lm
+        return load_model(self.path, device, self.dtype, drafter=True).lm
 
     def new(self, lm) -> NeuralDrafter:
         return NeuralDrafter(lm, self.top_k, self.lookback)

@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count())
     root = cache_root()
     target = load_model(str(root / TARGET), "cpu", args.dtype)
-    middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer) if "1" in args.method or \
+    middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True) if "1" in args.method or \
         args.method in ("all-mid", "treegraft") else None
     costs = latency_profile(target.lm, target.source, root)
     print("verification ms by tree size: " + ", ".join(f"{s}: {ms:.0f}" for s, ms in costs.items()))

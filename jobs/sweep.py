@@ -222,7 +222,7 @@ class SweepWorker:
         """Load spec's pair (sources resolved by the driver) at spec's dtype; returns the dtype it runs in."""
         self.evaluation = self.runners = None  # the previous pair's memory goes before the next pair loads
         target = load_model(spec["target_source"], self.device, spec["dtype"])
-        middle = load_model(spec["middle_source"], self.device, spec["dtype"])
+        middle = load_model(spec["middle_source"], self.device, spec["dtype"], drafter=True)
         check_pair(target, middle)
         cfg = EvalConfig(benchmarks=list(spec["benchmarks"]), methods=list(spec["methods"]),
                          budget=spec["budgets"][0], max_new_tokens=spec["max_new_tokens"],

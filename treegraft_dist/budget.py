@@ -83,8 +83,11 @@ def device_name(device: torch.device) -> str:
 
 def model_key(lm: CausalLM, source: str) -> str:
     name = Path(source.rstrip("/")).name or "model"
-    # Packed linears cost differently from stock ones: a profile is per kernel path too.
-    return f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-packed' if lm.packed else ''}"
+    # Packed or int8 linears and a drafting head over fewer ids cost differently: a profile is per kernel path
+    # and draft vocabulary too.
+    vocab = "" if lm.draft_vocab is None else f"-v{len(lm.draft_vocab)}"
+    return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-packed' if lm.packed else ''}"
+            f"{'-int8' if lm.quantized else ''}{vocab}")
 
 
 def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import kernels, precision
+from . import draft, kernels, precision
 from .benchmarks import BENCHMARKS, builtin, chat_prompt
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
@@ -93,7 +93,8 @@ def load_pair(args, need_middle: bool):
         print(f"treegraft: {kernels.describe(target.lm.dtype)}", file=sys.stderr)
     if m_src is None:
         return target, None
-    middle = load_model(m_src, args.device, args.dtype, m_tok)
+    middle = load_model(m_src, args.device, args.dtype, m_tok, drafter=True)
+    print(f"treegraft: middle drafter: {draft.describe(middle.lm)}", file=sys.stderr)
     check_pair(target, middle)
     return target, middle
 
@@ -298,7 +299,7 @@ def _priced_for_this_device(args, traj):
 
     names = traj.manifest["pair"]
     srcs = [resolve_model_path(n, args.cache_dir) for n in names]
-    target, middle = (load_model(src, args.device, args.dtype) for src in srcs)
+    target, middle = (load_model(src, args.device, args.dtype, drafter=i == 1) for i, src in enumerate(srcs))
     prompt = chat_prompt(target.tokenizer, [builtin("humaneval")[-1].turns[0]], [])
     tree = TreeConfig(**traj.manifest["tree"])
     cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(args.cache_dir), prompt, tree)

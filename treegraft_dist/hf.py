@@ -3,12 +3,18 @@ position ids over a KV cache, logits from hidden states, and in-place KV cache c
 
 No modeling file is forked: a 4D mask passed to a transformers model is used as given, which is all
 tree attention needs.
+
+Two kinds of logits: `logits` covers the whole vocabulary and decides what is output (verification,
+plain decoding, sampling); `top_logprobs` serves drafting only (the middle drafter's proposals and
+scores, the target's prefill cache for n-gram scores) and may cover a subset of the vocabulary, the
+draft vocabulary (draft.py), since what a drafter proposes never changes what is output.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -31,6 +37,9 @@ class CausalLM:
         self.vocab_size = self.head.weight.shape[0]
         self.num_params = sum(p.numel() for p in model.parameters())  # as loaded (packing drops dense copies)
         self.packed = False
+        self.quantized = False  # decoder linears in int8 (draft.py; drafters only)
+        self.draft_vocab: torch.Tensor | None = None  # [V'] ascending ids top_logprobs covers; None = all
+        self._draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
 
     def pack_linears(self) -> bool:
         """On a CPU, run the linear layers through oneDNN on weights packed once where that is this
@@ -83,6 +92,33 @@ class CausalLM:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def top_logprobs(
+        self, hidden: torch.Tensor,  # [n, hidden]
+        k: int, chunk: int = 64,
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:  # ([n] fp32, [n, k] int64, [n, k] float64)
+        """Drafting view of the next-token distribution at every row: (logsumexp of the logits, top-k token
+        ids, their log-probs), over the draft vocabulary; `chunk` rows of logits are materialised at once."""
+        lse, tokens, logprobs = [], [], []
+        for s in range(0, len(hidden), chunk):
+            logits = self.draft_logits(hidden[s : s + chunk])
+            z = torch.logsumexp(logits, dim=-1)
+            top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+            ids = top.indices if self.draft_vocab is None else self.draft_vocab.to(top.indices.device)[top.indices]
+            lse.append(z)
+            tokens.append(ids.cpu().numpy())
+            logprobs.append((top.values - z[:, None]).double().cpu().numpy())
+        if not lse:
+            return torch.zeros(0, device=self.device), np.zeros((0, k), np.int64), np.zeros((0, k), np.float64)
+        return torch.cat(lse), np.concatenate(tokens), np.concatenate(logprobs)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V'] fp32
+        """Logits over the draft vocabulary only (all of it unless draft.py set a subset)."""
+        if self._draft_head is None:
+            return self.logits(hidden)
+        with torch.inference_mode():
+            return self._draft_head(hidden).float()
 
     @torch.inference_mode()
     def token_logits(

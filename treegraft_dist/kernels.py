@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +129,96 @@ def pack(model: nn.Module) -> int:
 def describe(dtype: torch.dtype) -> str:
     c = choice(dtype)
     return f"CPU linear layers in {str(dtype).removeprefix('torch.')}: {'packed (oneDNN)' if c.packed else 'stock'} ({c.reason})"
+
+
+# -- int8 linear layers for a drafter -------------------------------------------------------------------
+# A drafter's numbers decide only what it proposes (verification is exact), so its linear layers may run in
+# int8: weights quantized once per output channel, activations per call. On a CPU a one-token pass of the
+# 0.5B middle drafter reads a quarter of the bytes, and the product runs on the quantized engine.
+INT8_ENV = "TREEGRAFT_DRAFT_INT8"  # auto (default) | on | off
+
+
+def int8_unsupported(dtype: torch.dtype) -> str | None:
+    """Why int8 linears cannot replace this CPU model's linears, or None where they can."""
+    if dtype != torch.float32:
+        return f"int8 drafting runs on fp32 models only, not {str(dtype).removeprefix('torch.')}"
+    engines = torch.backends.quantized.supported_engines
+    if not {"x86", "fbgemm"} & set(engines):
+        return f"this torch build has no x86 quantized engine (engines: {', '.join(engines)})"
+    return None
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    out_features, in_features = weight.shape
+    scale = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    with warnings.catch_warnings():  # quantized tensors are deprecated upstream; this torch (<2.15) has them
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(weight, scale.double(), torch.zeros(out_features, dtype=torch.int64), 0,
+                                       torch.qint8)
+        layer = DynamicLinear(in_features, out_features, dtype=torch.qint8)
+        layer.set_weight_bias(q, bias)
+    return layer
+
+
+def int8_probe() -> tuple[bool, str]:
+    """(int8 faster than the fp32 product this process runs at both 1 and 16 rows, what was measured)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g)
+    with torch.no_grad():
+        if choice(torch.float32).packed:
+            packed = _reorder(w)
+            fp32 = lambda x: _packed_linear(x, packed, None)  # noqa: E731
+        else:
+            fp32 = lambda x: nn.functional.linear(x, w)  # noqa: E731
+        q = _int8_linear(w)
+    fns = {}
+    for r in _PROBE_ROWS:
+        x = torch.randn(r, _PROBE_DIM, generator=g)
+        fns[r, "fp32"] = lambda x=x: fp32(x)
+        fns[r, "int8"] = lambda x=x: q(x)
+    ms = best_ms(fns, _PROBE_REPEATS)
+    wins = all(ms[r, "int8"] < ms[r, "fp32"] for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} rows: fp32 {ms[r, 'fp32']:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in _PROBE_ROWS)
+    return wins, f"probe {text}"
+
+
+@dataclass(frozen=True)
+class Int8Choice:
+    int8: bool
+    reason: str
+
+
+@functools.cache
+def int8_choice(dtype: torch.dtype) -> Int8Choice:
+    """Whether a CPU drafter's linears in `dtype` run in int8 in this process, and why."""
+    mode = os.environ.get(INT8_ENV, "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"${INT8_ENV}={mode!r}: use auto, on or off")
+    if mode == "off":
+        return Int8Choice(False, f"${INT8_ENV}=off")
+    why_not = int8_unsupported(dtype)
+    if why_not is not None:
+        if mode == "on":
+            raise ValueError(f"${INT8_ENV}=on: {why_not}; unset it")
+        return Int8Choice(False, why_not)
+    if mode == "on":
+        return Int8Choice(True, f"${INT8_ENV}=on")
+    wins, measured = int8_probe()
+    return Int8Choice(wins, f"{measured} ({'int8' if wins else 'int8 not faster at every size'})")
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of a CPU fp32 `model` by an int8 one (weights per output channel,
+    dynamic activations); returns how many. The weights are final afterwards."""
+    count = 0
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                bias = None if child.bias is None else child.bias.detach().float()
+                setattr(parent, name, _int8_linear(child.weight.detach().float(), bias))
+                count += 1
+    return count

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from . import draft
 from .hf import CausalLM
 from .precision import auto_dtype
 
@@ -100,10 +101,12 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(source: str, device: str = "auto", dtype: str = "auto",
-               tokenizer: PreTrainedTokenizerBase | None = None, pack: bool = True) -> LoadedModel:
+               tokenizer: PreTrainedTokenizerBase | None = None, pack: bool = True, drafter: bool = False
+               ) -> LoadedModel:
     """Load a causal LM (and its tokenizer unless given); a missing folder or unknown id raises ModelError.
     On a CPU its linear layers run packed where that is faster here (`CausalLM.pack_linears`; `pack=False`:
-    stock, e.g. to change the weights afterwards)."""
+    stock, e.g. to change the weights afterwards). Its drafting head covers the draft vocabulary, and a
+    `drafter` (the middle model) runs its decoder linears in int8 where that is faster (draft.py)."""
     dev = pick_device(device)
     tok = tokenizer if tokenizer is not None else load_tokenizer(source)
     try:
@@ -111,9 +114,14 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
     except (OSError, ValueError) as e:
         raise e if isinstance(e, ModelError) else _load_error(source, e) from e
     lm = CausalLM(model.to(dev))
+    if drafter and pack:
+        draft.quantize_middle(lm)
     if pack:
         lm.pack_linears()
-    return LoadedModel(lm, tok, source)
+    loaded = LoadedModel(lm, tok, source)
+    always = draft.special_ids(tok, loaded.eos_ids)
+    draft.set_draft_vocabulary(lm, draft.draft_vocabulary(lm.vocab_size, draft.vocab_setting(), always))
+    return loaded
 
 
 def check_tokenizers(target: PreTrainedTokenizerBase, middle: PreTrainedTokenizerBase, target_src: str,

@@ -24,7 +24,6 @@ from .ngram import PrefillCache
 from .tree import ORIGIN_MIDDLE, DraftTree, Proposal
 
 NO_SLOT = -1
-_LOGIT_CHUNK = 64  # rows of vocabulary-sized logits materialised at once
 # Most unseen candidate leaves a call runs in the same forward as the unseen parents. A forward's fixed cost
 # (reading the weights) is about what 50 more tokens cost on a 2-core CPU in bf16 (the 0.5B middle: ~105 ms,
 # then ~2 ms a token), and far more on a GPU; the selected leaves alone are at most K tokens.
@@ -170,20 +169,13 @@ class NeuralDrafter:
         hidden = self.lm.hidden(self.cache, ids, positions, torch.from_numpy(attend))[c:]
         self.committed = root_pos
 
-        lse, top_t, top_lp = [], [], []
-        for s in range(0, len(hidden), _LOGIT_CHUNK):
-            logits = self.lm.logits(hidden[s : s + _LOGIT_CHUNK])
-            z = torch.logsumexp(logits, dim=-1)
-            top = torch.topk(logits, self.top_k, dim=-1)
-            lse.append(z)
-            top_t.append(top.indices.cpu().numpy())
-            top_lp.append((top.values - z[:, None]).double().cpu().numpy())
+        lse, top_t, top_lp = self.lm.top_logprobs(hidden, self.top_k)
         first_row = sum(len(h) for h in self.hidden_rows)
         self.hidden_rows.append(hidden)
         self._hidden = None
-        self.lse = torch.cat([self.lse.to(hidden.device)] + lse)
-        self.topk_tokens = np.concatenate([self.topk_tokens] + top_t)
-        self.topk_logprobs = np.concatenate([self.topk_logprobs] + top_lp)
+        self.lse = torch.cat([self.lse.to(hidden.device), lse])
+        self.topk_tokens = np.concatenate([self.topk_tokens, top_t])
+        self.topk_logprobs = np.concatenate([self.topk_logprobs, top_lp])
         self.slot[unseen] = col[unseen]
         self.row_of[unseen] = first_row + np.arange(len(unseen))
 
@@ -197,6 +189,9 @@ class NeuralDrafter:
         parent_rows = torch.from_numpy(self.row_of[tree.parents[1:n]])
         edge = (self.lm.token_logits(self._hidden[parent_rows], torch.from_numpy(tree.tokens[1:n].copy()))
                 - self.lse[parent_rows.to(self.lse.device)]).double().cpu().numpy()
+        # Over a draft vocabulary subset the normaliser misses the tokens outside it, so a token outside can
+        # come out above 0: a log-prob is <= 0, and pruning relies on scores falling down a path.
+        np.minimum(edge, 0.0, out=edge)
         scores = np.zeros(n, np.float64)
         for ids in tree.levels()[1:]:
             scores[ids] = scores[tree.parents[ids]] + edge[ids - 1]

@@ -56,14 +56,9 @@ class TargetVerifier:
         first = next_token(self.lm.logits(h[-1:])[0], self.sampling, self.generator)
         if not want_prefill_cache:
             return first, None
-        toks, lps = [], []
-        for s in range(0, len(prompt), _PREFILL_CHUNK):
-            # Top-k of the logits less their logsumexp: no vocabulary-wide log_softmax tensor.
-            logits = self.lm.logits(h[s : s + _PREFILL_CHUNK])
-            top = torch.topk(logits, min(PREFILL_TOPK, logits.shape[-1]), dim=-1)
-            toks.append(top.indices.cpu())
-            lps.append((top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu())
-        return first, PrefillCache(torch.cat(toks).numpy(), torch.cat(lps).double().numpy())
+        # A drafting aid: over the target's draft vocabulary (CausalLM.top_logprobs), not the whole one.
+        _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK)
+        return first, PrefillCache(tokens, logprobs)
 
     def step(self, token: int) -> int:
         """Plain decoding: feed one token, return the next (the autoregressive baseline)."""
