@@ -84,7 +84,7 @@ class DrafterHost:
         self.drafters.pop(rid, None)
 
     def forward_ms(self, block: int) -> float:
-        return forward_ms(self.lm, block)
+        return forward_ms(self.lm, block, drafting=True)
 
 
 class RemoteDrafter:

@@ -122,3 +122,22 @@ def test_load_model_makes_the_middle_cheap_and_keys_its_profile_by_it(tmp_path, 
     monkeypatch.setenv(draft.VOCAB_ENV, "lots")
     with pytest.raises(ValueError, match="TREEGRAFT_DRAFT_VOCAB"):
         load_model(folder, "cpu", "float32")
+
+
+def test_a_middle_profile_times_drafting_passes_and_one_from_before_is_measured_again(tmp_path):
+    import json
+
+    from treegraft_dist.budget import device_name
+    from treegraft_dist.collect import middle_profile
+
+    _, middle = tiny_pair(seed=10)
+    draft.set_draft_vocabulary(middle, draft.draft_vocabulary(VOCAB, SUBSET, set()))
+    path = tmp_path / "profiles" / f"{model_key(middle, 'm')}--{device_name(middle.device)}--middle.json"
+    path.parent.mkdir(parents=True)
+    # Written before drafting passes were timed as such: its figures ended with the full head.
+    path.write_text(json.dumps({"model": "m", "device": "d", "forward_ms": {"1": 1e-6, "2": 1e-6}}))
+    profile = middle_profile(middle, "m", tmp_path)
+    saved = json.loads(path.read_text())
+    assert saved["pass"] == "drafting" and set(profile) == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert min(profile.values()) > 1e-6
+    assert {int(k): v for k, v in saved["forward_ms"].items()} == profile

@@ -283,7 +283,8 @@ def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):
     from treegraft_dist.evaluate import fixed_base, is_sized
 
     assert fixed_base("all-small@published@sized") == "all-small" and is_sized("01001@sized")
-    assert is_sized("treegraft") and not is_sized("all-small") and not is_sized("hf-pld@sized")
+    assert is_sized("treegraft@sized") and not is_sized("treegraft") and not is_sized("all-small")
+    assert not is_sized("hf-pld@sized") and not is_sized("oracle@sized")
     target, middle = pair
     cfg = EvalConfig(benchmarks=["humaneval", "gsm8k"], methods=["all-small", "all-small@sized", "01000@sized"],
                      prompts_per_benchmark=1, max_new_tokens=16, out=tmp_path / "o", budget="auto",

@@ -34,11 +34,15 @@ MAX_COST_RATIO = 4.0
 # threads only ever slow a pass down): the profile is measured again. A fresh pass much slower than the
 # cache means the machine is busy now, and the cache is kept.
 STALE_RATIO = 1.5
+DRAFT_TOPK = 10  # children a drafting pass ranks (the published K)
 
 
-def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None) -> float:
+def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None,
+               drafting: bool = False) -> float:
     """Best time of one forward over a `block`-node tree (a chain) on a `past`-token cache; `cache`, when
-    given, already holds those `past` tokens and is restored after each timed pass."""
+    given, already holds those `past` tokens and is restored after each timed pass. `drafting`: the pass
+    ends as a drafter's does (top-k over the draft vocabulary, CausalLM.top_logprobs), not with the full
+    logits verification takes."""
     tree = DraftTree(0)
     n = block - 1
     if n:
@@ -52,7 +56,8 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        lm.logits(lm.hidden(cache, ids, positions, attend))
+        h = lm.hidden(cache, ids, positions, attend)
+        lm.top_logprobs(h, DRAFT_TOPK) if drafting else lm.logits(h)
         if lm.device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
@@ -62,10 +67,10 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
     return min(times[1:])
 
 
-def measured_when_busy(lm: CausalLM, cached_ms: float, path: Path, block: int = 1) -> bool:
+def measured_when_busy(lm: CausalLM, cached_ms: float, path: Path, block: int = 1, drafting: bool = False) -> bool:
     """Whether the cached cost `cached_ms` of a `block`-node pass is STALE_RATIO times what one measured now
     costs (it was measured while something else used the device); says so when it is."""
-    fresh = forward_ms(lm, block, repeats=2)
+    fresh = forward_ms(lm, block, repeats=2, drafting=drafting)
     if cached_ms <= STALE_RATIO * fresh:
         return False
     print(f"treegraft: {path.name}: a {block}-token pass measured {cached_ms:.0f} ms there and {fresh:.0f} ms now: "

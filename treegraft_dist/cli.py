@@ -20,6 +20,8 @@ from .prepare import (DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_defa
 from .sampling import SamplingParams
 from .schedule import fixed_schedule
 
+TREEGRAFT_SIZED = "treegraft@sized"  # treegraft with every round's tree sized (sizing.py)
+
 
 class UsageError(ValueError):
     """Bad command-line input; printed as one line, no traceback."""
@@ -155,6 +157,9 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     cfg = tree_config(args)
     method = args.method
+    sized = method == TREEGRAFT_SIZED
+    if sized:
+        method = "treegraft"
     if method not in (AR_METHOD, "treegraft"):
         fixed_schedule(method, cfg.depth)  # validates the pattern before any model is loaded
     uses_middle = args.method not in (AR_METHOD, "all-small")
@@ -175,14 +180,14 @@ def cmd_generate(args) -> int:
     if method == "treegraft":
         method = treegraft_policy(args, target, middle, list(prompt))
         fitted = getattr(method, "info", None)
-        if fitted is not None and args.budget is None:  # the tree size the scheduler was fitted for
+        if fitted is not None and args.budget is None and not sized:  # the tree size the scheduler was fitted for
             cfg = dataclasses.replace(cfg, budget=int(fitted.cost_profile["budget"]))
     if args.distributed:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
             gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
-                          sizer=device_sizer(args, target) if args.method == "treegraft" else None)
+                          sizer=device_sizer(args, target) if sized else None)
         gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
@@ -325,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     g.add_argument("--method", default="all-small",
-                   help="ar, all-small, all-mid, treegraft (the learned scheduler), or a DEPTH-bit pattern such as "
+                   help="ar, all-small, all-mid, treegraft (the learned scheduler at the budget it was fitted for), "
+                        "treegraft@sized (every round's tree sized for this device), or a DEPTH-bit pattern such as "
                         "01001 (1 = middle drafter at that layer)")
     g.add_argument("--scheduler", default=None, metavar="PATH",
                    help="scheduler artifact for --method treegraft (default: the one shipped for the embedded pair)")

@@ -129,18 +129,21 @@ def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, floa
     """ms of one middle-drafter forward per block size, measured once per (model, device), cached."""
     path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}--middle.json"
     if path.is_file():
-        cached = {int(k): v for k, v in json.loads(path.read_text())["forward_ms"].items()}
-        if not measured_when_busy(lm, cached[min(cached)], path, min(cached)):
+        saved = json.loads(path.read_text())
+        cached = {int(k): v for k, v in saved["forward_ms"].items()}
+        # Profiles from before drafting passes were timed as such ended with the full head: measure again.
+        if saved.get("pass") == "drafting" and not measured_when_busy(lm, cached[min(cached)], path, min(cached),
+                                                                       drafting=True):
             return cached
-    measured = {b: forward_ms(lm, b, repeats=2)
+    measured = {b: forward_ms(lm, b, repeats=2, drafting=True)
                 for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
     profile, floor = {}, float("inf")
     for b in sorted(measured, reverse=True):  # never cheaper for more tokens: a dip is noise
         floor = min(floor, measured[b])
         profile[b] = floor
     profile = dict(sorted(profile.items()))
-    write_json(path, {"model": source, "device": device_name(lm.device),
-                              "forward_ms": {str(k): v for k, v in profile.items()}})
+    write_json(path, {"model": source, "device": device_name(lm.device), "pass": "drafting",
+                      "forward_ms": {str(k): v for k, v in profile.items()}})
     return profile
 
 

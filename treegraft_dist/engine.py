@@ -152,7 +152,7 @@ class Decoder:
         """Warm target and middle forward times (ms) over one full-budget tree; measured once."""
         if self._timings is None:
             self._timings = Timings(forward_ms(self.target, self.cfg.budget),
-                                    forward_ms(self.middle, self.cfg.budget) if self.middle else 1.0)
+                                    forward_ms(self.middle, self.cfg.budget, drafting=True) if self.middle else 1.0)
         return self._timings
 
     # -- methods --------------------------------------------------------------------------------------

@@ -106,10 +106,17 @@ class EvalConfig:
 PUBLISHED = "@published"
 
 
-# A fixed schedule with this suffix (all-small@sized, all-small@published@sized) sizes every round's tree
-# from calibrated acceptance and this device's verification costs (sizing.py) instead of pruning to its
-# budget; treegraft always does, where the device's latency profile is measured in-process.
+# A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
+# sizes every round's tree from calibrated acceptance and this device's verification costs (sizing.py) instead
+# of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
 SIZED = "@sized"
+
+
+def artifact_base(m: str) -> str | None:
+    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized for treegraft; else None."""
+    if m in ARTIFACT_METHODS:
+        return m
+    return TREEGRAFT if m == TREEGRAFT + SIZED else None
 
 
 def fixed_base(m: str) -> str | None:
@@ -119,11 +126,11 @@ def fixed_base(m: str) -> str | None:
 
 
 def is_method(m: str) -> bool:
-    return m in ALL_METHODS or fixed_base(m) is not None
+    return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
 
 
 def is_sized(m: str) -> bool:
-    return m == TREEGRAFT or (m.endswith(SIZED) and fixed_base(m) is not None)
+    return m.endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
 
 
 def is_ours(m: str) -> bool:
@@ -175,7 +182,7 @@ class Evaluation:
         fitted for another device profile), else the one fitted for this device from the trajectories shipped
         for the pair (device_scheduler.py); (None, None) when none is needed or, for treegraft alone, neither
         exists (then the documented heuristic runs)."""
-        wanted = [m for m in self.cfg.methods if m in ARTIFACT_METHODS]
+        wanted = list(dict.fromkeys(artifact_base(m) for m in self.cfg.methods if artifact_base(m)))
         if not wanted:
             return None, None
         if self.engine is not None:
@@ -240,7 +247,7 @@ class Evaluation:
             return self._oracle(decoder, budget)
         if method == VALUE_PLANNER:
             return lambda ids, n: decoder.generate(ids, n, ValuePlanner(self.heads, self._call_cap()), self.eos)
-        if method == TREEGRAFT:
+        if artifact_base(method) == TREEGRAFT:
             policy = self.scheduler or ShallowTreeHeuristic()
         else:
             policy = fixed_base(method) or method  # ar, or a fixed schedule without its suffix
@@ -278,7 +285,7 @@ class Evaluation:
             if method in fixed:
                 self.budgets[method] = fixed[method]
                 self.runner(method, self.budgets[method])(prompts[0], 8)
-            elif auto and method in ARTIFACT_METHODS and self.scheduler is not None:
+            elif auto and artifact_base(method) and not is_sized(method) and self.scheduler is not None:
                 # The scheduler was fitted for one budget: its decisions assume that tree size.
                 self.budgets[method] = int(self.scheduler.info.cost_profile["budget"])
                 self.runner(method, self.budgets[method])(prompts[0], 8)
