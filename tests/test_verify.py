@@ -52,6 +52,25 @@ def test_tree_attention_equals_each_branch_as_a_chain(arch, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_attention_without_copies_gives_transformers_own_tree_logits(dtype, monkeypatch):
+    from treegraft_dist.hf import SDPA_GQA_ENV
+
+    rng = random.Random(4)
+    lm = CausalLM(tiny_model("qwen3").to(dtype))  # 4 query heads over 2 key/value heads
+    assert lm.model.config.num_attention_heads > lm.model.config.num_key_value_heads
+    context = [rng.randrange(VOCAB) for _ in range(20)]
+    tree = random_tree(rng, 24)
+    out = {}
+    for flag in ("0", "1"):  # "0": transformers repeats the keys and values per head group
+        monkeypatch.setenv(SDPA_GQA_ENV, flag)
+        cache = lm.new_cache()
+        lm.hidden(cache, torch.tensor(context), torch.arange(len(context)))
+        attend, positions = tree_attention(tree, len(context))
+        out[flag] = lm.logits(lm.hidden(cache, torch.from_numpy(tree.token_list().copy()), positions, attend))
+    torch.testing.assert_close(out["1"], out["0"], rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_and_causal_masks_equal_their_full_width_forms(dtype):
     lm = CausalLM(tiny_model("llama").to(dtype))
     lowest = torch.finfo(dtype).min
