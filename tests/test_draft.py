@@ -52,18 +52,38 @@ def test_top_logprobs_over_a_draft_vocabulary_only_name_its_ids():
     assert lm.logits(h).shape[-1] == VOCAB
 
 
+def test_a_requests_own_tokens_outside_the_draft_vocabulary_are_covered_too():
+    lm, _ = tiny_pair(seed=3)
+    h = hidden_rows(lm)
+    full = lm.logits(h)
+    ids = draft.draft_vocabulary(VOCAB, SUBSET, set())
+    draft.set_draft_vocabulary(lm, ids)
+    extra = lm.outside_draft_vocab([3, 50, 50, 70, 12])
+    assert extra.tolist() == [50, 70]
+    lse, tok, lp = lm.top_logprobs(h, 6, extra=extra)
+    cover = torch.from_numpy(np.r_[ids, [50, 70]])
+    sub = full[:, cover]
+    assert torch.allclose(lse, torch.logsumexp(sub, -1), atol=1e-5)
+    assert (tok == cover[torch.topk(sub, 6).indices].numpy()).all()
+    assert np.isin(tok, cover.numpy()).all()
+    draft.set_draft_vocabulary(lm, None)
+    assert lm.outside_draft_vocab([3, 50]) is None
+
+
 def test_a_middle_drafter_over_a_draft_vocabulary_proposes_only_its_ids_and_scores_stay_log_probs():
     target, middle = tiny_pair(seed=4)
     ids = draft.draft_vocabulary(VOCAB, SUBSET, set())
     draft.set_draft_vocabulary(middle, ids)
     d = NeuralDrafter(middle, top_k=4, lookback=5)
-    d.start(list(range(50, 70)), None)
+    prompt = list(range(50, 70))  # outside the draft vocabulary: proposed too, as the request's own tokens
+    d.start(prompt, None)
     d.accept([], [70])
     tree = DraftTree(70)
     # An n-gram child outside the draft vocabulary: the middle drafter must still score it, at most log 1.
     tree.graft(Proposal(1, np.array([0, 0]), np.array([80, 12]), np.array([-0.1, -0.2]), ORIGIN_NGRAM), 1)
     proposal = d.step(tree, np.array([1, 2]), 2)
-    assert np.isin(proposal.tokens, ids).all()
+    assert np.isin(proposal.tokens, np.r_[ids, prompt]).all()
+    assert not np.isin(proposal.tokens, [80, 90, 95]).any()
     assert (proposal.rescore[1:] <= 0).all() and (proposal.scores <= 0).all()
 
 

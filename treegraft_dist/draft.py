@@ -11,7 +11,9 @@ decides what is output, exactly. So the drafting side may trade a little accepta
               32,768; 0 = all) plus every special and end-of-sequence id. Byte-level BPE vocabularies number
               tokens in merge order, so the first ids are the common ones (the first 32,768 of Qwen2.5's
               151,936 cover 93% of the benchmark prompts' tokens), and a head over them costs about a fifth
-              of the full one. Verification, plain decoding and sampling always use the whole vocabulary.
+              of the full one. A request's own prompt tokens outside it are covered too (names and
+              identifiers it may copy: a small gather of head rows per call). Verification, plain decoding
+              and sampling always use the whole vocabulary.
 """
 
 from __future__ import annotations

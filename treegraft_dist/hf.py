@@ -108,15 +108,24 @@ class CausalLM:
     def top_logprobs(
         self, hidden: torch.Tensor,  # [n, hidden]
         k: int, chunk: int = 64,
+        extra: torch.Tensor | None = None,  # [E] ascending ids outside the draft vocabulary to cover too
     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:  # ([n] fp32, [n, k] int64, [n, k] float64)
         """Drafting view of the next-token distribution at every row: (logsumexp of the logits, top-k token
-        ids, their log-probs), over the draft vocabulary; `chunk` rows of logits are materialised at once."""
+        ids, their log-probs), over the draft vocabulary plus `extra` (a request's own tokens, say); `chunk`
+        rows of logits are materialised at once."""
+        vocab, extra_rows = self.draft_vocab, None
+        if extra is not None and len(extra) and vocab is not None:
+            extra = extra.to(self.device)
+            extra_rows = self.head.weight[extra]  # [E, hidden]: a small gather, not a second packed head
+            vocab = torch.cat([vocab, extra])
         lse, tokens, logprobs = [], [], []
         for s in range(0, len(hidden), chunk):
             logits = self.draft_logits(hidden[s : s + chunk])
+            if extra_rows is not None:
+                logits = torch.cat([logits, self._extra_logits(hidden[s : s + chunk], extra_rows, extra)], dim=-1)
             z = torch.logsumexp(logits, dim=-1)
             top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-            ids = top.indices if self.draft_vocab is None else self.draft_vocab.to(top.indices.device)[top.indices]
+            ids = top.indices if vocab is None else vocab.to(top.indices.device)[top.indices]
             lse.append(z)
             tokens.append(ids.cpu().numpy())
             logprobs.append((top.values - z[:, None]).double().cpu().numpy())
@@ -124,12 +133,26 @@ class CausalLM:
             return torch.zeros(0, device=self.device), np.zeros((0, k), np.int64), np.zeros((0, k), np.float64)
         return torch.cat(lse), np.concatenate(tokens), np.concatenate(logprobs)
 
+    def _extra_logits(self, hidden: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = hidden @ rows.T
+        if getattr(self.head, "bias", None) is not None:
+            out = out + self.head.bias[ids]
+        return out.float()
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V'] fp32
         """Logits over the draft vocabulary only (all of it unless draft.py set a subset)."""
         if self._draft_head is None:
             return self.logits(hidden)
         with torch.inference_mode():
             return self._draft_head(hidden).float()
+
+    def outside_draft_vocab(self, tokens) -> torch.Tensor | None:
+        """[E] ascending ids among `tokens` that the draft vocabulary lacks (None: it has every id)."""
+        if self.draft_vocab is None:
+            return None
+        seen = torch.unique(torch.as_tensor(list(tokens), dtype=torch.int64))
+        seen = seen[(seen >= 0) & (seen < self.vocab_size)]
+        return seen[~torch.isin(seen, self.draft_vocab.cpu())]
 
     @torch.inference_mode()
     def token_logits(

@@ -55,6 +55,8 @@ class NeuralDrafter:
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.context: list[int] = list(prompt)
+        # The prompt's own tokens outside the draft vocabulary are proposed too (names, identifiers to copy).
+        self.extra_vocab = self.lm.outside_draft_vocab(prompt)
         self.cache = self.lm.new_cache()
         self.committed = 0  # context tokens held in the cache
         self.forward_sizes: list[int] = []  # tokens of every forward so far (context catch-up + tree nodes)
@@ -169,7 +171,7 @@ class NeuralDrafter:
         hidden = self.lm.hidden(self.cache, ids, positions, torch.from_numpy(attend))[c:]
         self.committed = root_pos
 
-        lse, top_t, top_lp = self.lm.top_logprobs(hidden, self.top_k)
+        lse, top_t, top_lp = self.lm.top_logprobs(hidden, self.top_k, extra=self.extra_vocab)
         first_row = sum(len(h) for h in self.hidden_rows)
         self.hidden_rows.append(hidden)
         self._hidden = None

@@ -57,7 +57,8 @@ class TargetVerifier:
         if not want_prefill_cache:
             return first, None
         # A drafting aid: over the target's draft vocabulary (CausalLM.top_logprobs), not the whole one.
-        _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK)
+        _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK,
+                                                   extra=self.lm.outside_draft_vocab(prompt))
         return first, PrefillCache(tokens, logprobs)
 
     def step(self, token: int) -> int:
