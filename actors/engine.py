@@ -8,6 +8,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import Generation
+from treegraft_dist.models import load_config
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.signals import Timings
 
@@ -27,6 +28,7 @@ class DistributedEngine:
     def __init__(self, target: str, middle: str | None = None, tree: TreeConfig = TreeConfig(),
                  resources: Resources = Resources(), address: str | None = None,
                  sampling: SamplingParams = SamplingParams(), dtype: str = "auto", timings: Timings | None = None):
+        load_config(target, resources.tp)  # a model the ranks cannot shard fails here, before any placement
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address)

@@ -10,7 +10,6 @@ its shard of every request's KV cache; only token ids and trees cross the wire.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from datetime import timedelta
 
@@ -21,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.budget import forward_ms
 from treegraft_dist.hf import CausalLM
-from treegraft_dist.models import load_model, pick_dtype
+from treegraft_dist.models import check_supported, load_config, load_model, pick_dtype
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.tree import DraftTree
 from treegraft_dist.verify import TargetVerifier, Verdict
@@ -39,14 +38,16 @@ def load_sharded(path: str, tp: int, device: str, dtype: str) -> CausalLM:
         return load_model(path, device, dtype).lm
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": pick_dtype(dtype, torch.device(device))}
+    kwargs = {"config": load_config(path, tp), "dtype": pick_dtype(dtype, torch.device(device))}
     try:
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=tp)
     except ImportError:  # transformers before DistributedConfig: the model's own plan, same sharding
         kwargs["tp_plan"] = "auto"
-    return CausalLM(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    check_supported(model.config, path, tp)  # the attention implementation transformers resolved
+    return CausalLM(model)
 
 
 class TargetWorker:
@@ -57,22 +58,30 @@ class TargetWorker:
             torch.set_num_threads(resources.torch_threads)
         self.path, self.rank, self.res, self.sampling, self.dtype = path, rank, resources, sampling, dtype
         self.lm: CausalLM | None = None
+        self.store = None  # rank 0: the process group's store, served from rendezvous() on
         self.requests: dict[int, TargetVerifier] = {}
 
     def rendezvous(self) -> tuple[str, int]:
-        """(address, free port) of this node for the process group; asked of rank 0."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        """(address, port) of the process group's store, asked of rank 0: it serves the store itself on a port
+        the system picks, and keeps it bound until the group is formed, so no other process can take the port
+        between its choice and its use (as one probed, closed and reopened later could be)."""
+        host = ray.util.get_node_ip_address()
+        self.store = torch.distributed.TCPStore(host, 0, self.res.tp, is_master=True, wait_for_workers=False,
+                                                timeout=timedelta(seconds=self.res.dist_timeout_s))
+        return host, self.store.port
 
-    def load(self, master: tuple[str, int]) -> None:
+    def load(self, master: tuple[str, int] | None) -> None:
         tp = self.res.tp
         if tp > 1:
-            # Ray gives each rank exactly its own GPU, which is then device 0 of the process.
+            timeout = timedelta(seconds=self.res.dist_timeout_s)
+            store = self.store if self.rank == 0 else torch.distributed.TCPStore(
+                master[0], master[1], tp, is_master=False, timeout=timeout)
+            # Ray gives each rank exactly its own GPU, which is then device 0 of the process; transformers'
+            # tensor parallelism reads the rank and world size from the environment.
             os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                               WORLD_SIZE=str(tp), LOCAL_RANK="0")
-            torch.distributed.init_process_group(self.res.backend, rank=self.rank, world_size=tp,
-                                                 timeout=timedelta(seconds=self.res.dist_timeout_s))
+            torch.distributed.init_process_group(self.res.backend, store=store, rank=self.rank, world_size=tp,
+                                                 timeout=timeout)
         self.lm = load_sharded(self.path, tp, self.res.device, self.dtype)
 
     def prefill(self, rid: int, prompt: list[int], seed: int, want_prefill_cache: bool):
@@ -129,7 +138,8 @@ class TargetGroup:
                 for r in range(self.res.tp)
             ]
             try:
-                master = ray.get(self.workers[0].rendezvous.remote(), timeout=self.res.dist_timeout_s)
+                master = (ray.get(self.workers[0].rendezvous.remote(), timeout=self.res.dist_timeout_s)
+                          if self.res.tp > 1 else None)
                 ray.get([w.load.remote(master) for w in self.workers], timeout=self.res.dist_timeout_s)
             except Exception:
                 self._teardown()

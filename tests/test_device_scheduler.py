@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import char_tokenizer, perturbed_copy, tiny_model
+from tiny import char_tokenizer, perturbed_copy, tiny_model, write_trajectories
 from treegraft_dist import device_scheduler
 from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.collect import (MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, CostModel, part_name,
-                                    read_trajectories, records_table, write_part)
+from treegraft_dist.collect import CostModel, read_trajectories
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.device_scheduler import (PROFILE_KEY, check_profile, measured_budgets, priced, profile_key,
                                              resolve_scheduler, scheduler_for_device)
@@ -35,21 +34,11 @@ def models():
 def shipped(models, tmp_path_factory):
     """A trajectories folder as `treegraft collect` writes it, collected under a made-up cost model."""
     target, middle = models
-    folder = tmp_path_factory.mktemp("traj")
     cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
-    budgets = (1, 4, 16)
-    collector = Collector(target, middle, TREE, cost, budgets)
     tok = char_tokenizer()
-    for bench in ("gsm8k", "humaneval", "qa"):
-        for q in builtin(bench)[20:22]:
-            ids = chat_prompt(tok, [q.turns[0]], [])[-48:]
-            table = records_table(collector.rounds(ids, 10), bench, q.question_id, len(ids), budgets, cost)
-            (folder / ROUNDS_DIR).mkdir(exist_ok=True)
-            write_part(table, folder / ROUNDS_DIR / part_name(bench, q.question_id))
-    manifest = {"schema_version": SCHEMA_VERSION, "pair": list(PAIR), "tree": TREE.to_dict(), "max_new_tokens": 10,
-                "cost_model": cost.to_dict(), "budgets": list(budgets)}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return folder
+    prompts = [(bench, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-48:])
+               for bench in ("gsm8k", "humaneval", "qa") for q in builtin(bench)[20:22]]
+    return write_trajectories(tmp_path_factory.mktemp("traj"), target, middle, PAIR, prompts, TREE, cost, (1, 4, 16), 10)
 
 
 @pytest.fixture

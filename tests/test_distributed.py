@@ -177,13 +177,15 @@ class TestQwen3TP2Faults:
         assert len(new) == 2 and not {w._actor_id for w in new} & {w._actor_id for w in old}
 
 
-def test_unsatisfiable_placement_fails_fast(cluster, pairs):
+def test_unsatisfiable_placement_fails_fast(cluster, pairs, tmp_path):
     pair = pairs["llama"]
+    # 8 attention and key/value heads: tp=8 shards it, so it is the placement that fails.
+    target = save_tiny(tmp_path / "8-heads", tiny_model("llama", heads=8, kv_heads=8), char_tokenizer())
     res = Resources(tp=8, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1, coordinator_cpus=0.1,
                     placement_timeout_s=3)
     t = time.monotonic()
     with pytest.raises(PlacementError, match=r"target group \(tp=8\).*GPU 8"):
-        DistributedEngine(pair.target_path, pair.middle_path, resources=res, dtype="float32")
+        DistributedEngine(target, pair.middle_path, resources=res, dtype="float32")
     assert time.monotonic() - t < 30
     # Nothing is left behind: the whole cluster is free again.
     deadline = time.monotonic() + 10

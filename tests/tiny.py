@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -10,21 +12,22 @@ from treegraft_dist.hf import CausalLM
 VOCAB = 96
 
 
-def _config(arch: str, hidden: int, layers: int, vocab: int, init: float):
+def _config(arch: str, hidden: int, layers: int, vocab: int, init: float, heads: int = 4, kv_heads: int = 2, **extra):
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, **extra)
     if arch == "llama":
         return LlamaForCausalLM, LlamaConfig(**common)
     if arch == "qwen3":
-        return Qwen3ForCausalLM, Qwen3Config(head_dim=hidden // 4, **common)
+        return Qwen3ForCausalLM, Qwen3Config(head_dim=hidden // heads, **common)
     raise ValueError(arch)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = VOCAB,
-               init: float = 0.25, attn: str = "sdpa"):
-    cls, cfg = _config(arch, hidden, layers, vocab, init)
+               init: float = 0.25, attn: str = "sdpa", **config):
+    """`config`: more config fields (heads, kv_heads, or any the architecture's config takes)."""
+    cls, cfg = _config(arch, hidden, layers, vocab, init, **config)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
@@ -81,3 +84,20 @@ def save_tiny(folder, model, tokenizer) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def write_trajectories(folder, target: CausalLM, middle: CausalLM, pair, prompts, tree, cost, budgets,
+                       max_new_tokens: int):
+    """A trajectories folder as `treegraft collect` writes it, collected here under `cost`: `prompts` are
+    (benchmark, question id, token ids)."""
+    from treegraft_dist.collect import (MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, part_name, records_table,
+                                        write_part)
+
+    collector = Collector(target, middle, tree, cost, budgets)
+    for bench, qid, ids in prompts:
+        table = records_table(collector.rounds(ids, max_new_tokens), bench, qid, len(ids), budgets, cost)
+        write_part(table, folder / ROUNDS_DIR / part_name(bench, qid))
+    manifest = {"schema_version": SCHEMA_VERSION, "pair": list(pair), "tree": tree.to_dict(),
+                "max_new_tokens": max_new_tokens, "cost_model": cost.to_dict(), "budgets": list(budgets)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .files import write_json
 from .hf import CausalLM, compact_cache
 from .precision import cpu_model
+from .stats import synchronize
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention
 
@@ -55,11 +56,11 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
         lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
     times = []
     for _ in range(repeats + 1):
+        synchronize(lm.device)  # the cache's last compaction (or fill) is not this pass's work
         t = time.perf_counter()
         h = lm.hidden(cache, ids, positions, attend)
         lm.top_logprobs(h, DRAFT_TOPK) if drafting else lm.logits(h)
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(lm.device)
         times.append((time.perf_counter() - t) * 1e3)
         compact_cache(cache, past, torch.zeros(0, dtype=torch.int64))
     # The best repeat, not the median: another process's burst only ever slows a pass down, and a profile

@@ -1,4 +1,4 @@
-"""`treegraft` command line: generate, eval, prepare-models."""
+"""`treegraft` command line: generate, eval, summary, collect, fit, project, prepare-models."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def load_pair(args, need_middle: bool):
     if args.dtype == "auto":
         print(f"treegraft: {precision.describe(pick_device(args.device))}", file=sys.stderr)
     if getattr(args, "distributed", False):
-        return describe_model(t_src, t_tok), (describe_model(m_src, m_tok) if m_src else None)
+        return describe_model(t_src, t_tok, args.tp), (describe_model(m_src, m_tok) if m_src else None)
     target = load_model(t_src, args.device, args.dtype, t_tok)
     if target.lm.device.type == "cpu":
         print(f"treegraft: {kernels.describe(target.lm.dtype)}", file=sys.stderr)
@@ -313,6 +313,22 @@ def _priced_for_this_device(args, traj):
     return priced(traj, cost), {"budgets": measured_budgets(traj, cost), "profile": {PROFILE_KEY: key}}
 
 
+def cmd_project(args) -> int:
+    from .collect import read_trajectories
+    from .device_scheduler import DATA_DIR, SHIPPED_TRAJECTORIES
+    from .projection import read_profiles, run
+
+    profiles = read_profiles(args.profile)
+    data = Path(args.data) if args.data else SHIPPED_TRAJECTORIES[(DEFAULT_TARGET, DEFAULT_MIDDLE)]
+    traj = read_trajectories(data)
+    name = str(data.relative_to(DATA_DIR.parent.parent)) if data.is_relative_to(DATA_DIR.parent.parent) else str(data)
+    projection = run(traj, profiles, Path(args.out), name, log=lambda m: print(f"treegraft: {m}", file=sys.stderr),
+                     seed=args.seed)
+    print(projection.markdown)
+    print("\n" + "\n".join(str(f) for f in projection.files))
+    return 0
+
+
 def cmd_prepare(args) -> int:
     target, middle = prepare_default_models(args.cache_dir, progress=True)
     print(f"target: {target}\nmiddle: {middle}")
@@ -395,6 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
     c.add_argument("--out", default="out/trajectories", help="output folder; an interrupted run resumes there")
     c.set_defaults(func=cmd_collect)
+
+    j = sub.add_parser("project", help="speedups projected from trajectories and a measured cost profile (no model runs)")
+    j.add_argument("--profile", required=True,
+                   help="jobs/gpu_check.py's profile.json, or a cost profile `treegraft eval` cached (<cache>/profiles/*--costs.json)")
+    j.add_argument("--data", default=None,
+                   help="trajectories, a `treegraft collect` folder (default: the ones shipped for the embedded pair)")
+    j.add_argument("--seed", type=int, default=0, help="seed of the scheduler fit (default %(default)s)")
+    j.add_argument("--out", default="out/project", help="folder for projection.md, .csv, charts and the fitted schedulers")
+    j.set_defaults(func=cmd_project)
 
     p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
     p.add_argument("--cache-dir", default=None)

@@ -158,13 +158,13 @@ class Decoder:
     # -- methods --------------------------------------------------------------------------------------
     def _generate_ar(self, verifier: TargetVerifier, prompt, max_new, eos) -> Generation:
         return decode_plain(lambda p: verifier.prefill(p, want_prefill_cache=False)[0], verifier.step, prompt,
-                            max_new, eos)
+                            max_new, eos, device=self.target.device)
 
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
         cfg = round_config(self.cfg, policy, lambda: self.timings)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
-        timer = PhaseTimer(stats)
+        timer = PhaseTimer(stats, self.target.device)
         out: list[int] = []
         if max_new:
             with timer.phase("prefill"):
@@ -213,11 +213,12 @@ class Decoder:
 
 
 def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt: list[int], max_new: int,
-                 eos: set[int], on_token: Callable[[int], None] | None = None) -> Generation:
+                 eos: set[int], on_token: Callable[[int], None] | None = None,
+                 device: torch.device | None = None) -> Generation:
     """The autoregressive baseline over any target: `prefill(prompt)` gives the first token, `step(token)`
-    the next one; `on_token(count)` is told the progress."""
+    the next one; `on_token(count)` is told the progress; `device`: the target's, when in this process."""
     stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
-    timer = PhaseTimer(stats)
+    timer = PhaseTimer(stats, device)
     out: list[int] = []
     if max_new:
         with timer.phase("prefill"):

@@ -523,7 +523,7 @@ def _nanmean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def plot_speedups(summary: Summary, path: Path) -> None:
+def plot_speedups(summary: Summary, path: Path, title: str = "Speedup by benchmark") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -539,7 +539,7 @@ def plot_speedups(summary: Summary, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup over ar (tokens/s)")
-    ax.set_title("Speedup by benchmark")
+    ax.set_title(title)
     ax.legend(fontsize=8, ncols=min(len(methods), 4))
     fig.tight_layout()
     with replacing(path) as tmp:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import tempfile
@@ -50,3 +52,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, obj) -> None:
     write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def write_csv(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Rows with the same keys, the first row's order as the header."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, buf.getvalue())

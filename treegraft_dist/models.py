@@ -18,6 +18,10 @@ class ModelError(ValueError):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Attention implementations that apply a 4D float mask as given: tree attention is such a mask. Flash
+# attention and flex attention take only padding or their own block masks and would silently let every
+# node see every other one.
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -49,14 +53,12 @@ class LoadedModel:
         return ids
 
 
-def describe_model(source: str, tokenizer: PreTrainedTokenizerBase | None = None) -> LoadedModel:
-    """Tokenizer and configs only: for a driver whose weights load in remote actors."""
+def describe_model(source: str, tokenizer: PreTrainedTokenizerBase | None = None, tp: int = 1) -> LoadedModel:
+    """Tokenizer and configs only: for a driver whose weights load in remote actors (checked for `tp` ranks
+    before any actor is placed)."""
     path = _resolve_folder(source)
     tok = tokenizer if tokenizer is not None else load_tokenizer(source)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise _load_error(source, e) from e
+    config = load_config(source, tp)
     try:
         gen = GenerationConfig.from_pretrained(path)
     except OSError:
@@ -67,7 +69,28 @@ def describe_model(source: str, tokenizer: PreTrainedTokenizerBase | None = None
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        require_cuda(dev)
+    return dev
+
+
+def require_cuda(dev: torch.device) -> None:
+    """A CUDA device this process can use, or ModelError saying why not (instead of torch's traceback)."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise ModelError(f"--device {dev}: this torch build ({torch.__version__}) has no CUDA support: install a "
+                         "CUDA build (make setup TORCH=\"torch==... --index-url https://download.pytorch.org/whl/cu128\" "
+                         "in a fresh .venv) or use --device cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ModelError(f"--device {dev}: torch {torch.__version__} supports CUDA but sees no GPU (no driver, or "
+                         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): use --device cpu")
+    if dev.index is not None and dev.index >= count:
+        raise ModelError(f"--device {dev}: this machine shows {count} GPU{'s' if count > 1 else ''} "
+                         f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -93,6 +116,51 @@ def _load_error(source: str, e: Exception) -> ModelError:
                       "files, or a hub id reachable from this machine")
 
 
+def load_config(source: str, tp: int = 1):
+    """The model's config, refused (ModelError) where tree decoding cannot run it on `tp` ranks."""
+    try:
+        config = AutoConfig.from_pretrained(_resolve_folder(source))
+    except (OSError, ValueError) as e:
+        raise e if isinstance(e, ModelError) else _load_error(source, e) from e
+    check_supported(config, source, tp)
+    return config
+
+
+def check_supported(config, source: str, tp: int = 1) -> None:
+    """One-line ModelError for what would break first: an attention implementation that ignores the tree mask,
+    sliding-window layers, or a TP degree that does not divide the attention and key/value heads."""
+    attention = getattr(config, "_attn_implementation", None)
+    if attention is not None and attention not in MASKED_ATTENTION:
+        raise ModelError(f"{source!r} is set to attention implementation {attention!r}, which ignores the 4D float "
+                         f"mask tree verification passes: load it with attn_implementation={' or '.join(MASKED_ATTENTION)} "
+                         "(drop attn_implementation from its config.json)")
+    sliding = sliding_window_layers(config)
+    if sliding:
+        raise ModelError(f"{source!r} uses sliding-window attention (window {getattr(config, 'sliding_window', None)}) on {len(sliding)} "
+                         f"of its {config.num_hidden_layers} layers: such a layer's cache drops keys by position, "
+                         "which the KV compaction after every round does not follow; use a full-attention model or "
+                         "config (use_sliding_window false)")
+    if tp > 1:
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if heads % tp or kv % tp:
+            fits = [d for d in range(2, min(heads, kv) + 1) if heads % d == 0 and kv % d == 0]
+            raise ModelError(f"--tp {tp} cannot shard {source!r}: its {heads} attention heads and {kv} key/value heads "
+                             f"must both divide by the TP degree; use --tp {' or '.join(map(str, [1] + fits))}")
+
+
+def sliding_window_layers(config) -> list[int]:
+    """The layers whose attention (and cache) is windowed: by `layer_types` where the config has them (Qwen2,
+    Qwen3, Gemma set them from use_sliding_window / max_window_layers), else every layer of a config with a
+    window set (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [i for i, kind in enumerate(types) if "sliding" in str(kind)]
+    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
+        return list(range(config.num_hidden_layers))
+    return []
+
+
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(_resolve_folder(source))
@@ -109,10 +177,13 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
     `drafter` (the middle model) runs its decoder linears in int8 where that is faster (draft.py)."""
     dev = pick_device(device)
     tok = tokenizer if tokenizer is not None else load_tokenizer(source)
+    config = load_config(source)  # a model tree decoding cannot run fails here, before its weights load
     try:
-        model = AutoModelForCausalLM.from_pretrained(_resolve_folder(source), dtype=pick_dtype(dtype, dev))
+        model = AutoModelForCausalLM.from_pretrained(_resolve_folder(source), config=config,
+                                                     dtype=pick_dtype(dtype, dev))
     except (OSError, ValueError) as e:
         raise e if isinstance(e, ModelError) else _load_error(source, e) from e
+    check_supported(model.config, source)  # the attention implementation transformers resolved
     lm = CausalLM(model.to(dev))
     if drafter and pack:
         draft.quantize_middle(lm)

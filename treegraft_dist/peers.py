@@ -46,7 +46,7 @@ def run_peer(method: str, target: CausalLM, middle: CausalLM | None, prompt: lis
                          "pass a middle model")
     check_request(prompt, max_new_tokens)
     stats = RequestStats(method, prompt_tokens=len(prompt))
-    timer = PhaseTimer(stats)
+    timer = PhaseTimer(stats, target.device)
     tokens: list[int] = []
     if max_new_tokens:
         assistant = middle.model if method == "hf-assisted" else None

@@ -6,6 +6,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 PHASES = ("prefill", "ngram", "middle", "scheduler", "verify", "other")
 
 
@@ -45,22 +47,37 @@ class RequestStats:
         return out
 
 
-class PhaseTimer:
-    """Accumulates wall time into RequestStats.seconds; whatever no phase claims is `other`."""
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on a CUDA `device` (kernels run asynchronously); nothing to wait for elsewhere."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def __init__(self, stats: RequestStats):
+
+class PhaseTimer:
+    """Accumulates wall time into RequestStats.seconds; whatever no phase claims is `other`.
+
+    On a CUDA `device` it synchronises the device where it measures (at the start, at every phase boundary
+    and at the end): kernels run asynchronously, so without that a phase would be charged with the work
+    the one before it queued, or end before its own work did."""
+
+    def __init__(self, stats: RequestStats, device: torch.device | None = None):
         self.stats = stats
+        self.device = device
+        synchronize(device)
         self._t0 = time.perf_counter()
 
     @contextmanager
     def phase(self, name: str):
+        synchronize(self.device)
         t = time.perf_counter()
         try:
             yield
         finally:
+            synchronize(self.device)
             self.stats.seconds[name] += time.perf_counter() - t
 
     def finish(self) -> None:
+        synchronize(self.device)
         self.stats.wall_s = time.perf_counter() - self._t0
         claimed = sum(v for k, v in self.stats.seconds.items() if k != "other")
         self.stats.seconds["other"] = max(0.0, self.stats.wall_s - claimed)

@@ -98,23 +98,39 @@ def _children_ranked(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
-def _accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+def _accept_sampled(
+    tree: DraftTree,
+    probs: torch.Tensor,  # [n, vocab] fp32, row i: the target's distribution after node i
+    generator: torch.Generator | None,
+) -> Verdict:
     """Recursive rejection sampling: at each node try its children best-first; a child is accepted
     with its probability under the residual distribution, otherwise removed from it. The bonus token
-    is drawn from the residual at the last accepted node."""
+    is drawn from the residual at the last accepted node.
+
+    Every proposal is deterministic, so after rejecting the tokens R at a node the residual is its row
+    less R, renormalised: p(token) / (1 - p(R)). The walk then needs only each node's probability under
+    its parent's row; those and one uniform per node reach the host in one copy, and the bonus token is
+    drawn on the device: two synchronisations a round instead of one per child tried."""
+    n = tree.size
     kids = _children_ranked(tree)
+    parents = torch.from_numpy(tree.parents[1:n]).to(probs.device)
+    tokens = torch.from_numpy(tree.tokens[1:n]).to(probs.device)
+    uniform = torch.rand(n - 1, generator=generator, device=probs.device)
+    # [2, n - 1]: node i's probability under its parent's row and its uniform, at i - 1
+    p, u = torch.stack([probs[parents, tokens], uniform]).double().cpu().numpy()
     accepted, node = [], 0
     while True:
-        residual = probs[node]
+        mass, rejected = 1.0, []  # the residual's mass before renormalising, the tokens taken out of it
         for child in kids[node]:
-            tok = int(tree.tokens[child])
-            u = torch.rand(1, generator=generator, device=probs.device)
-            if u < residual[tok]:
+            if u[child - 1] * mass < p[child - 1]:
                 break
-            residual = residual.clone()
-            residual[tok] = 0.0
-            residual = residual / residual.sum()
+            mass -= p[child - 1]
+            rejected.append(int(tree.tokens[child]))
         else:
+            residual = probs[node]
+            if rejected:
+                residual = residual.clone()
+                residual[rejected] = 0.0
             tokens = [int(tree.tokens[i]) for i in accepted] + [sample(residual, generator)]
             return Verdict(accepted, tokens)
         accepted.append(child)
