@@ -46,6 +46,7 @@ import transformers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from treegraft_dist import draft
 from treegraft_dist.benchmarks import builtin
 from treegraft_dist.budget import CANDIDATES, PROFILE_PAST, device_name, forward_ms
 from treegraft_dist.collect import MIDDLE_BLOCKS, CostModel, cpu_step_costs
@@ -145,15 +146,23 @@ QUICK = Sizes(QUICK_SIZES, QUICK_SIZES, prompts=1, new_tokens=12, methods=("ar",
               past=32, repeats=3)
 
 
-def build(config, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """A randomly initialised model of `config`, created on `device` (no host copy of a large model), checked
-    as load_model checks what it loads."""
+def build(config, device: torch.device, dtype: torch.dtype, drafter: bool = False) -> CausalLM:
+    """A randomly initialised model of `config`, created on `device` (no host copy of a large model), set up
+    as load_model sets up what it loads: checked, packed, int8 for a `drafter` where that is faster, and a
+    drafting head over the draft vocabulary (its special ids: the config's end, start and padding ids)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     check_supported(model.config, type(config).__name__)
     lm = CausalLM(model.to(device))
+    if drafter:
+        draft.quantize_middle(lm)
     lm.pack_linears()  # on a CPU, as load_model does where that is faster
+    always = set()
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = getattr(config, key, None)
+        always.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+    draft.set_draft_vocabulary(lm, draft.draft_vocabulary(lm.vocab_size, draft.vocab_setting(), always))
     return lm
 
 
@@ -209,7 +218,7 @@ class Check:
             self.memory[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.write()
 
-    def sizes_within(self, lm: CausalLM, sizes, what: str) -> dict[int, float]:
+    def sizes_within(self, lm: CausalLM, sizes, what: str, drafting: bool = False) -> dict[int, float]:
         """ms of one forward per block size, smallest first, stopping where the next would not fit the budget."""
         out, last_s, passes = {}, 0.0, self.sizes.repeats + 1
         for b in tqdm(sizes, desc=what, unit="size", file=sys.stderr):
@@ -217,17 +226,17 @@ class Check:
                 self.skipped.append(f"{what}: sizes from {b} on (time budget)")
                 break
             t = time.monotonic()
-            out[b] = forward_ms(lm, b, past=self.sizes.past, repeats=self.sizes.repeats)
+            out[b] = forward_ms(lm, b, past=self.sizes.past, repeats=self.sizes.repeats, drafting=drafting)
             last_s = (time.monotonic() - t) / passes
         return out
 
     def embedded_profile(self) -> None:
         a = self.args
         target = build(self.config(EMBEDDED_TARGET), self.device, self.dtype)
-        middle = build(self.config(EMBEDDED_MIDDLE), self.device, self.dtype)
+        middle = build(self.config(EMBEDDED_MIDDLE), self.device, self.dtype, drafter=True)
         self.models = target, middle
         verify = self.sizes_within(target, self.sizes.verify, "target verification by tree size")
-        mid = self.sizes_within(middle, self.sizes.middle, "middle forward by tokens")
+        mid = self.sizes_within(middle, self.sizes.middle, "middle forward by tokens", drafting=True)
         if not verify or not mid:
             self.skipped.append("embedded pair: no cost model (too few sizes measured), so no end-to-end runs")
             return
@@ -284,8 +293,8 @@ class Check:
             measured[layers] = self.sizes_within(lm, self.sizes.verify, f"70B proxy, {layers} layers, by tree size")
             del lm
             release_memory()
-        middle = build(self.config(LLAMA32_1B), self.device, self.dtype)
-        mid = self.sizes_within(middle, self.sizes.middle, "1B middle forward by tokens")
+        middle = build(self.config(LLAMA32_1B), self.device, self.dtype, drafter=True)
+        mid = self.sizes_within(middle, self.sizes.middle, "1B middle forward by tokens", drafting=True)
         del middle
         release_memory()
         full = LLAMA3_70B["num_hidden_layers"]
@@ -353,7 +362,7 @@ class Check:
         if self.profile:
             lines += ["## Cost profile: embedded pair", "", *_ms_table("target verification ms, tree size",
                                                                       self.profile["verify_ms"]),
-                      "", *_ms_table("middle forward ms, tokens", self.profile["middle_ms"]), "",
+                      "", *_ms_table("middle drafting pass ms (int8 where faster, top-k over the draft vocabulary), tokens", self.profile["middle_ms"]), "",
                       f"n-gram step {self.profile['ngram_ms']:.3f} ms, scheduler call {self.profile['scheduler_ms']:.3f} ms "
                       f"(host); cache of {self.profile['past']} tokens behind every pass.", ""]
         if rounds:
@@ -385,7 +394,7 @@ class Check:
                 lines += _ms_table(f"verification ms, {layers} layers", ms)
                 lines.append("")
             lines += [*_ms_table(f"verification ms, scaled to {p['layers']} layers", p["verify_ms"]), "",
-                      *_ms_table("1B middle forward ms, tokens", p["middle_ms"]), ""]
+                      *_ms_table("1B middle drafting pass ms, tokens", p["middle_ms"]), ""]
         if self.memory:
             lines += ["## Peak GPU memory", "", "| stage | GiB |", "|---|---|",
                       *(f"| {k} | {v:.2f} |" for k, v in self.memory.items()), ""]
