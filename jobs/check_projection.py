@@ -12,9 +12,8 @@ On a quiet machine (it times every method). Steps:
      treegraft with the scheduler of step 1;
   4. per method, projected and measured decode tokens/s (the tokens after the first over the wall time less
      the prefill: a projection leaves prefill out) and speedup over ar, and the error projected / measured - 1.
-The projection prices the scheduler at its fitted budget while eval's treegraft sizes every round's tree
-(sizing.py): its error includes what sizing changes. The oracle is projected; eval runs it with --methods
-...,oracle (it enumerates every round's 32 schedules before its timed decode: slow on a CPU).
+Both price the scheduler at its fitted budget (eval's treegraft prunes every round's tree to it). The
+oracle is projected; eval runs it with --methods ...,oracle (it enumerates every round's 32 schedules before its timed decode: slow on a CPU).
 Written: OUT/check.md, OUT/check.csv, OUT/projection (the projection's files), OUT/eval (eval's).
 """
 

@@ -282,6 +282,32 @@ def test_offline_stage_chooses_the_informative_subset_and_distils_it(tmp_path):
     assert loaded.info.fit["subset_errors"] == errors
 
 
+def test_signals_constant_in_training_are_left_out_so_run_time_noise_cannot_move_decisions():
+    # One device's trajectories: the context timings are the same in every round (up to float noise), as
+    # Trajectories.rounds writes them from one cost profile. A scheduler must not read them at run time,
+    # where the engine's own measurement is a few ms off.
+    rounds = synthetic_rounds(60, seed=12)
+    sig = rounds.signals.copy()
+    sig[:, :, IDX["t_tgt_ms"]] = 86.87 + np.float32(1e-3) * np.random.default_rng(0).normal(size=sig.shape[:2])
+    sig[:, :, IDX["t_mid_ms"]] = 33.83
+    sig[:, :, IDX["log_tgt_over_mid"]] = np.log(86.87 / 33.83)
+    one_device = value.Rounds(sig, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
+    heads = value.fit_value_heads(one_device, seed=0, epochs=3, hidden=32)
+    states = one_device.decision_signals()
+    model = value.fit_scheduler(states, heads.margins(one_device.signals, None).reshape(-1), seed=0, epochs=5)
+    for fitted_subset in (heads.subset, model.subset):
+        assert not {"t_tgt_ms", "t_mid_ms", "log_tgt_over_mid"} & set(fitted_subset)
+        assert "reselect_score" in fitted_subset
+    shifted = states.copy()
+    shifted[:, IDX["t_tgt_ms"]] += 3.0
+    shifted[:, IDX["t_mid_ms"]] -= 2.0
+    shifted[:, IDX["log_tgt_over_mid"]] = np.log(shifted[:, IDX["t_tgt_ms"]] / shifted[:, IDX["t_mid_ms"]])
+    with torch.no_grad():
+        assert torch.equal(model(torch.from_numpy(states)), model(torch.from_numpy(shifted)))
+    per_round = (len(one_device), value.NUM_DECISION_STATES, NUM_SIGNALS)
+    assert np.array_equal(heads.margins(states.reshape(per_round)), heads.margins(shifted.reshape(per_round)))
+
+
 # -- the value system online and in the artifact ------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,9 @@ from .scheduler import LearnedScheduler, SchedulerArtifactError
 from .value import ValueHeads, load_artifact
 
 PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
+# Raised when the fit changes what it learns from the same data (2: signals constant over the training
+# rounds, as one device's context timings are, are left out), so that cached fits are redone.
+FIT_VERSION = 2
 DATA_DIR = Path(__file__).parent / "data" / "trajectories"
 # Trajectories shipped per (target, middle) as named on the command line; `make trajectories` rebuilds them.
 SHIPPED_TRAJECTORIES = {
@@ -124,8 +127,10 @@ def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source:
         return None
     tree = collected
     key = profile_key(target, target_source, middle, middle_source)
-    # The data's identity is part of the name: new shipped trajectories mean a new fit.
-    digest = hashlib.sha256(json.dumps(traj.manifest, sort_keys=True).encode()).hexdigest()[:12]
+    # The data's identity and the fit's version are part of the name: new shipped trajectories, or a fit
+    # that changed what it learns from them, mean a new fit.
+    digest = hashlib.sha256(json.dumps({**traj.manifest, "fit_version": FIT_VERSION}, sort_keys=True).encode()
+                            ).hexdigest()[:12]
     path = cache_dir / "schedulers" / f"{key}--{digest}.npz"
     if path.is_file():
         scheduler, heads = load_artifact(path, expect_pair=pair)

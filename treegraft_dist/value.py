@@ -39,6 +39,11 @@ NUM_DECISION_STATES = 2**D - 1  # 31
 NUM_STATES = 2 ** (D + 1) - 1  # 63
 SUFFIX_WIDTH = 2 * D  # future bits + future mask
 _STD_FLOOR = 1e-6  # a signal constant over the training states is left unscaled
+# A signal whose spread over the training states is below this fraction of its size is constant there (the
+# context timings of one device's profile: float noise of a few ulps). It is left out of the fitted subset:
+# its weights never learned anything, and at run time a fresh measurement a few ms off would read as
+# thousands of standard deviations.
+_CONSTANT_SPREAD = 1e-3
 PREDICTION_RANGE = 6.0  # value-head outputs are kept within this many target std of the training mean
 
 # [32, 5] int8: bit l of schedule s
@@ -192,7 +197,22 @@ def _train(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, seed: int, epochs
 def _zscore(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # x: [n, 17] -> mean [17], std [17]
     mean = x.mean(0)
     std = x.std(0)
-    return mean.astype(np.float32), np.where(std < _STD_FLOOR, 1.0, std).astype(np.float32)
+    return mean.astype(np.float32), np.where(_constant(mean, std), 1.0, std).astype(np.float32)
+
+
+def _constant(mean: np.ndarray, std: np.ndarray) -> np.ndarray:  # [17] bool
+    return (std < _STD_FLOOR) | (std < _CONSTANT_SPREAD * np.maximum(1.0, np.abs(mean)))
+
+
+def informative(subset, x: np.ndarray) -> tuple[str, ...]:
+    """`subset` less the signals constant over the training states `x` [n, 17] (see _CONSTANT_SPREAD)."""
+    x = np.asarray(x, np.float64).reshape(-1, NUM_SIGNALS)
+    constant = _constant(x.mean(0), x.std(0))
+    kept = tuple(n for n in subset if not constant[SIGNAL_NAMES.index(n)])
+    if not kept:
+        raise ValueError(f"every signal of {tuple(subset)} is constant over the {len(x)} training states: "
+                         "collect trajectories of more prompts")
+    return kept
 
 
 @dataclass
@@ -285,8 +305,9 @@ def _examples(rounds: Rounds) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
 def fit_value_heads(rounds: Rounds, subset=SIGNAL_NAMES, seed: int = 0, hidden: int = 64, epochs: int = 40,
                     lr: float = 3e-3, batch: int = 256) -> ValueHeads:
     """Fit the four heads (Adam, MSE on standardised targets); the same seed gives the same heads."""
-    mean, std = _zscore(rounds.signals[:, :NUM_DECISION_STATES].reshape(-1, NUM_SIGNALS))
-    heads = ValueHeads(tuple(subset), mean, std, {}, {})
+    states = rounds.signals[:, :NUM_DECISION_STATES].reshape(-1, NUM_SIGNALS)
+    mean, std = _zscore(states)
+    heads = ValueHeads(informative(subset, states), mean, std, {}, {})
     for k, (h, (x, s, y)) in enumerate(_examples(rounds).items()):
         mu, sd = float(y.mean()), max(float(y.std()), _STD_FLOOR)
         heads.target_norm[h] = (mu, sd)
@@ -349,6 +370,7 @@ def fit_scheduler(states_signals: np.ndarray, margins: np.ndarray, subset=SIGNAL
         raise ValueError(f"fit_scheduler needs states [n, {NUM_SIGNALS}] and margins [n], got {x.shape} "
                          f"and {y.shape}")
     scale = max(float(np.sqrt(np.mean(y**2))), _STD_FLOOR)
+    subset = informative(subset, x)
     mean, std = _zscore(x)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
