@@ -18,9 +18,10 @@ setup: $(STAMP)
 
 # The main job on the embedded default pair, on CPU, in the precision the CPU runs fastest (bf16 where it
 # is native): two prompts of each of the six benchmarks, 64 new tokens, plain decoding against all-small,
-# all-mid, treegraft (its scheduler fitted for this machine on first use) and the two Hugging Face peers.
+# all-mid, treegraft at its fitted budget and sized every round (its scheduler fitted for this machine on first
+# use) and the two Hugging Face peers.
 # value-planner and oracle: add them to EVAL_METHODS.
-EVAL_METHODS ?= ar,all-small,all-mid,treegraft,hf-assisted,hf-pld
+EVAL_METHODS ?= ar,all-small,all-mid,treegraft,treegraft@sized,hf-assisted,hf-pld
 eval: $(STAMP)
 	$(VENV)/bin/treegraft eval --device cpu --prompts-per-benchmark 2 --max-new-tokens 64 \
 		--methods $(EVAL_METHODS) --out out/eval
