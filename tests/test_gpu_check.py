@@ -50,3 +50,23 @@ def test_out_of_time_it_stops_and_says_what_was_not_measured(tmp_path):
     data = json.loads((tmp_path / "profile.json").read_text())
     assert "verify_ms" not in data and data["lossless"]["runs"] == [] and data["check"]["skipped"]
     assert "Not measured:" in (tmp_path / "report.md").read_text()
+
+
+def test_a_large_model_is_not_built_without_time_to_measure_it(tmp_path):
+    # A 70B-shaped proxy's random initialisation cannot be interrupted by the time budget's alarm: the full
+    # check must not start one it has no time left to measure (it overran its budget by 97 s on a CPU).
+    import argparse
+
+    import torch
+
+    from jobs import gpu_check
+
+    sizes = gpu_check.Sizes((1,), (1,), 1, 1, ("ar",), 8, 1)
+    full = argparse.Namespace(time_budget=gpu_check.BUILD_RESERVE_S - 1, out=str(tmp_path), quick=False)
+    check = gpu_check.Check(full, torch.device("cpu"), torch.bfloat16, sizes)
+    assert not check.room_to_build("70B proxy, 2 layers")
+    assert check.skipped == [f"70B proxy, 2 layers: not built (under {gpu_check.BUILD_RESERVE_S:.0f} s of the "
+                             "time budget left)"]
+    roomy = gpu_check.Check(argparse.Namespace(**{**vars(full), "time_budget": 600.0}), torch.device("cpu"),
+                            torch.bfloat16, sizes)
+    assert roomy.room_to_build("70B proxy, 2 layers") and not roomy.skipped
