@@ -33,9 +33,11 @@ TRAJECTORIES := treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruc
 trajectories: $(STAMP)
 	$(VENV)/bin/treegraft collect --device cpu --prompts-per-benchmark 8 --max-new-tokens 48 --out $(TRAJECTORIES)
 
-# Fast suite, then the real-model smoke test (prepares the embedded pair on first use).
+# Fast suite, then the end-to-end integration tests (whole commands on a real Ray cluster), then the
+# real-model smoke test (prepares the embedded pair on first use).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m integration
 	$(VENV)/bin/python -m pytest -q -m realmodel
 
 test-fast: $(STAMP)

@@ -4,6 +4,7 @@ the same prompts, and reports the error per method."""
 import csv
 
 import pyarrow.parquet as pq
+import pytest
 
 from jobs import check_projection
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model, write_trajectories
@@ -16,6 +17,7 @@ FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}
 ELSEWHERE = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 2: 5.2, 4: 5.5, 8: 6.0, 16: 7.0})
 
 
+@pytest.mark.integration
 def test_projection_checked_against_eval_on_the_same_prompts(tmp_path, capsys):
     tok = char_tokenizer()
     model = tiny_model("llama", seed=3, init=0.4)

@@ -31,6 +31,7 @@ def run(pair, out, *extra):
                  "--dtype", "float32", *extra])
 
 
+@pytest.mark.integration
 def test_collect_writes_one_part_per_prompt_and_resumes_without_duplicates(cluster, pair, tmp_path, capsys):
     out = tmp_path / "traj"
     assert run(pair, out) == 0
@@ -78,6 +79,7 @@ def test_collect_refuses_mt_bench_and_other_settings_on_resume(cluster, pair, tm
     assert "other settings" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_collect_fit_generate_from_the_command_line(cluster, pair, tmp_path, capsys):
     import json
 

@@ -202,6 +202,7 @@ def test_resources_are_validated():
     assert Resources(tp=4).target_bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
 
 
+@pytest.mark.integration
 def test_cli_generate_and_eval_distributed(cluster, pairs, tmp_path, capsys):
     import json
 

@@ -126,6 +126,7 @@ def _mtimes(out: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in (out / CELLS_DIR).rglob("*.parquet")}
 
 
+@pytest.mark.integration
 def test_sweep_runs_every_cell_under_ray_job_submit_and_resumes(cluster, pairs, tmp_path, capsys):
     grid, out = _write(tmp_path, _grid(pairs)), tmp_path / "sweep"
     keys = [(m, None) for m in ("ar", "hf-pld")] + [(m, b) for m in OURS for b in BUDGETS]
