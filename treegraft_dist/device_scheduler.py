@@ -33,7 +33,7 @@ from .scheduler import LearnedScheduler, SchedulerArtifactError
 from .value import ValueHeads, load_artifact
 
 PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
-# Raised when the fit changes what it learns from the same data (2: signals constant over the training
+# Bumped when the fit changes what it learns from the same data (2: signals constant over the training
 # rounds, as one device's context timings are, are left out), so that cached fits are redone.
 FIT_VERSION = 2
 DATA_DIR = Path(__file__).parent / "data" / "trajectories"
