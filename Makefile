@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
 	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/python -m treegraft_dist.compact
 	touch $(STAMP)
 
 setup: $(STAMP)

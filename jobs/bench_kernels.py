@@ -1,14 +1,15 @@
-"""Stock against packed CPU linear layers (treegraft_dist/kernels.py) on the embedded target, side by side.
+"""CPU linear layers side by side on the embedded target: PyTorch's stock `nn.Linear`, oneDNN on packed
+weights (treegraft_dist/kernels.py) and the compact exact fp32 kernel (treegraft_dist/compact.py).
 
-The target is loaded twice, once with PyTorch's stock `nn.Linear` and once packed for oneDNN, and both
-are measured in turn in one process:
+The target is loaded once per variant (`--variants`, default packed and compact; the first is the
+reference) and all are measured in turn in one process:
   1. verification ms by tree size (a chain of n nodes on a 256-token cache; best of repeats, interleaved);
   2. whole requests on benchmark prompts: our `ar`, `all-small` at fixed budgets and transformers' own
-     greedy `generate`, each on both, the order alternating per repeat; tokens/s and whether the ids equal
-     the stock `ar`'s.
+     greedy `generate`, each on every variant, the order alternating per repeat; tokens/s and whether the
+     ids equal the reference variant's `ar`.
 
     python jobs/bench_kernels.py                        # auto dtype, 48 new tokens, 2 repeats
-    python jobs/bench_kernels.py --dtype float32 --budgets 8,16 --benchmarks humaneval,sum
+    python jobs/bench_kernels.py --dtype float32 --variants stock,packed,compact --budgets 8,16
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from treegraft_dist import kernels
+from treegraft_dist import compact, kernels
 from treegraft_dist.benchmarks import builtin, chat_prompt
 from treegraft_dist.budget import forward_ms
 from treegraft_dist.config import TreeConfig
@@ -47,16 +48,33 @@ def main() -> None:
     ap.add_argument("--budgets", default="8,16")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variants", default="packed,compact", help="of stock, packed, compact; the first is the reference")
     args = ap.parse_args()
     dtype = pick_dtype(args.dtype, torch.device("cpu"))
-    if kernels.unsupported(dtype):
-        raise SystemExit(f"nothing to compare: {kernels.unsupported(dtype)}")
+    names = [v for v in args.variants.split(",") if v]
+    if not names or set(names) - {"stock", "packed", "compact"}:
+        raise SystemExit(f"--variants {args.variants!r}: name some of stock, packed, compact")
+    if "packed" in names and kernels.unsupported(dtype):
+        raise SystemExit(f"no packed variant: {kernels.unsupported(dtype)}")
+    if "compact" in names and (dtype != torch.float32 or compact._extension()[0] is None):
+        raise SystemExit(f"no compact variant: {'fp32 only' if dtype != torch.float32 else compact._extension()[1]}")
     folder = str(prepare_model(DEFAULT_TARGET))
-    stock = load_model(folder, "cpu", args.dtype, pack=False)
-    packed = load_model(folder, "cpu", args.dtype, pack=False)
-    kernels.pack(packed.lm.model)
-    packed.lm.packed = True
-    lms = {"stock": stock.lm, "packed": packed.lm}
+    groups = compact.load_groups(folder) if "compact" in names else {}
+
+    def load(variant: str):
+        loaded = load_model(folder, "cpu", args.dtype, pack=False)
+        lm = loaded.lm
+        if variant == "packed":
+            kernels.pack(lm.model)
+            lm.packed = True
+        elif variant == "compact":
+            lm.compact = compact.compress(lm.model, groups, keep_dense=(lm.head,)) > 0
+            lm.head = lm.model.get_output_embeddings()
+        return loaded
+
+    loaded = {v: load(v) for v in names}
+    tokenizer = loaded[names[0]].tokenizer
+    lms = {v: x.lm for v, x in loaded.items()}
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}")
 
     # 1. verification cost by tree size
@@ -74,14 +92,15 @@ def main() -> None:
         print(f"| {k} ms | " + " | ".join(f"{ms[k, n]:.0f}" for n in SIZES) + " |")
     for k in lms:
         print(f"| {k} / its 1 node | " + " | ".join(f"{ms[k, n] / ms[k, 1]:.2f}" for n in SIZES) + " |")
-    print("| stock / packed | " + " | ".join(f"{ms['stock', n] / ms['packed', n]:.2f}x" for n in SIZES) + " |")
+    for k in names[1:]:
+        print(f"| {names[0]} / {k} | " + " | ".join(f"{ms[names[0], n] / ms[k, n]:.2f}x" for n in SIZES) + " |")
     sys.stdout.flush()
 
     # 2. whole requests
     budgets = [int(b) for b in args.budgets.split(",") if b]
     methods = ["ar"] + [f"all-small@{b}" for b in budgets] + ["generate"]
     variants = [(k, m) for k in lms for m in methods]
-    prompts = {b: chat_prompt(stock.tokenizer, [builtin(b)[0].turns[0]], []) for b in args.benchmarks.split(",")}
+    prompts = {b: chat_prompt(tokenizer, [builtin(b)[0].turns[0]], []) for b in args.benchmarks.split(",")}
 
     def run(kernel: str, method: str, prompt: list[int], n: int) -> tuple[list[int], float]:
         lm = lms[kernel]
@@ -98,15 +117,16 @@ def main() -> None:
         for bench, prompt in prompts.items():
             for k, m in variants if rep % 2 == 0 else variants[::-1]:
                 rows.setdefault((bench, k, m), []).append(run(k, m, prompt, args.new_tokens))
-    print(f"\n{args.new_tokens} new tokens, median of {args.repeats} repeats; tok/s (same ids as stock ar?)")
-    print("| benchmark | " + " | ".join(f"{k} {m}" for k, m in variants) + " | packed ar / stock ar |")
-    print("|---" * (len(variants) + 2) + "|")
+    print(f"\n{args.new_tokens} new tokens, median of {args.repeats} repeats; tok/s (same ids as {names[0]} ar?)")
+    print("| benchmark | " + " | ".join(f"{k} {m}" for k, m in variants) + " | "
+          + " | ".join(f"{k} ar / {names[0]} ar" for k in names[1:]) + " |")
+    print("|---" * (len(variants) + len(names)) + "|")
     for bench in prompts:
-        ref = rows[bench, "stock", "ar"][0][0]
+        ref = rows[bench, names[0], "ar"][0][0]
         tps = {(k, m): statistics.median(len(t) / s for t, s in rows[bench, k, m]) for k, m in variants}
         same = {v: all(t == ref for t, _ in rows[(bench, *v)]) for v in variants}
         print(f"| {bench} | " + " | ".join(f"{tps[v]:.2f}{'' if same[v] else ' (ids differ)'}" for v in variants)
-              + f" | {tps['packed', 'ar'] / tps['stock', 'ar']:.2f}x |")
+              + " | " + " | ".join(f"{tps[k, 'ar'] / tps[names[0], 'ar']:.2f}x" for k in names[1:]) + " |")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_auto_measures_and_says_what_it_measured(fresh_choice):
 
 def test_a_bad_setting_or_an_unsupported_dtype_is_a_clear_error(fresh_choice):
     fresh_choice.setenv(LINEAR_ENV, "fast")
-    with pytest.raises(ValueError, match="use auto, packed or stock"):
+    with pytest.raises(ValueError, match="use auto, compact, packed or stock"):
         kernels.choice(torch.float32)
     kernels.choice.cache_clear()
     why_not = kernels.unsupported(torch.bfloat16)

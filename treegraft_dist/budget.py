@@ -89,11 +89,11 @@ def device_name(device: torch.device) -> str:
 
 def model_key(lm: CausalLM, source: str) -> str:
     name = Path(source.rstrip("/")).name or "model"
-    # Packed or int8 linears and a drafting head over fewer ids cost differently: a profile is per kernel path
+    # Compact, packed or int8 linears and a drafting head over fewer ids cost differently: a profile is per kernel path
     # and draft vocabulary too.
     vocab = "" if lm.draft_vocab is None else f"-v{len(lm.draft_vocab)}"
-    return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-packed' if lm.packed else ''}"
-            f"{'-int8' if lm.quantized else ''}{vocab}")
+    return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-compact' if lm.compact else ''}"
+            f"{'-packed' if lm.packed else ''}{'-int8' if lm.quantized else ''}{vocab}")
 
 
 def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import draft, kernels, precision
+from . import compact, draft, kernels, precision
 from .benchmarks import BENCHMARKS, builtin, chat_prompt
 from .config import TreeConfig
 from .engine import AR_METHOD, Decoder
@@ -93,6 +93,8 @@ def load_pair(args, need_middle: bool):
     target = load_model(t_src, args.device, args.dtype, t_tok)
     if target.lm.device.type == "cpu":
         print(f"treegraft: {kernels.describe(target.lm.dtype)}", file=sys.stderr)
+        if target.lm.dtype == compact.DTYPE:
+            print(f"treegraft: {compact.describe()}; target: {compact.summary(target.lm.model)}", file=sys.stderr)
     if m_src is None:
         return target, None
     middle = load_model(m_src, args.device, args.dtype, m_tok, drafter=True)

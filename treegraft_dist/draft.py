@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import kernels
+from . import compact, kernels
 from .hf import CausalLM
 
 VOCAB_ENV = "TREEGRAFT_DRAFT_VOCAB"
@@ -56,11 +56,16 @@ def special_ids(tokenizer, eos_ids) -> set[int]:
 
 
 def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
-    """Give `lm` a drafting head over `ids` (packed, as the other linears, where they are); None: the full head."""
+    """Give `lm` a drafting head over `ids` (compact or packed, as the head or the other linears are); None:
+    the full head."""
     if ids is None:
         lm.draft_vocab, lm._draft_head = None, None
         return
     index = torch.from_numpy(ids).to(lm.device)
+    head = compact.compact_head(lm.head, index)
+    if head is not None:
+        lm.draft_vocab, lm._draft_head = index, head
+        return
     bias = getattr(lm.head, "bias", None)
     with torch.no_grad():
         weight = lm.head.weight.detach()[index]
@@ -80,12 +85,12 @@ def quantize_middle(lm: CausalLM) -> str:
     if lm.device.type != "cpu":
         return f"no int8 drafting on {lm.device.type}"
     choice = kernels.int8_choice(lm.dtype)
-    if choice.int8:
-        kernels.quantize_int8(lm.base)
+    if choice.int8 and kernels.quantize_int8(lm.base):
         lm.quantized = True
     return choice.reason
 
 
 def describe(lm: CausalLM) -> str:
     vocab = "all" if lm.draft_vocab is None else f"{len(lm.draft_vocab)} of {lm.vocab_size}"
-    return f"draft vocabulary {vocab} ids{', decoder linears in int8' if lm.quantized else ''}"
+    return (f"draft vocabulary {vocab} ids{', decoder linears in int8' if lm.quantized else ''}"
+            f"{f', {compact.summary(lm.model)}' if lm.compact else ''}")

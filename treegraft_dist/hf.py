@@ -46,15 +46,28 @@ class CausalLM:
         self.vocab_size = self.head.weight.shape[0]
         self.num_params = sum(p.numel() for p in model.parameters())  # as loaded (packing drops dense copies)
         self.packed = False
+        self.compact = False  # linears over exact compact weights (compact.py)
         self.quantized = False  # decoder linears in int8 (draft.py; drafters only)
         self.draft_vocab: torch.Tensor | None = None  # [V'] ascending ids top_logprobs covers; None = all
         self._draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
         if self.device.type == "cpu":
             os.environ.setdefault(SDPA_GQA_ENV, "1")  # =0 keeps transformers' copies
 
+    def compact_linears(self, groups: dict | None = None) -> bool:
+        """On a CPU in fp32, run every linear layer whose weight has an exact compact form (16-bit values, or
+        the int8 groups `groups` of a GGUF-converted model) through the compact kernel where that is this
+        processor's faster path (compact.py); the output head keeps its dense weight for row lookups.
+        Returns whether any does. Weights are final afterwards."""
+        from . import compact
+
+        if not self.compact and self.device.type == "cpu" and self.dtype == compact.DTYPE and compact.choice().compact:
+            self.compact = compact.compress(self.model, groups, keep_dense=(self.head,)) > 0
+            self.head = self.model.get_output_embeddings()
+        return self.compact
+
     def pack_linears(self) -> bool:
-        """On a CPU, run the linear layers through oneDNN on weights packed once where that is this
-        processor's faster path (kernels.py); returns whether they now are. Weights are final afterwards."""
+        """On a CPU, run the linear layers (those not compact) through oneDNN on weights packed once where that
+        is this processor's faster path (kernels.py); returns whether they now are. Weights are final afterwards."""
         from . import kernels
 
         if not self.packed and self.device.type == "cpu" and kernels.choice(self.dtype).packed:

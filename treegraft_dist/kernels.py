@@ -12,6 +12,8 @@ costs about 1.2x a plain step, a 16-node tree 2.7x instead of 3.3x, and the plai
 linear takes the dtype on this processor (bf16 needs avx512bw/vl/dq or avx_ne_convert), and a short probe
 does not find it slower than the stock product at both one row and a 16-row tree (it is not expected to
 be; the probe guards a processor where it would be). $TREEGRAFT_LINEAR=stock or =packed overrides.
+In fp32, layers whose weights have an exact compact form run compact instead where that is faster
+(compact.py); packing takes the others.
 
 `pack(model)` swaps every `nn.Linear` of a CPU model for a `PackedLinear` and drops the dense weight,
 so memory stays what it was, except the output head's, which stays dense too: it is often tied to the
@@ -31,7 +33,8 @@ from torch import nn
 
 from .precision import best_ms
 
-LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | packed | stock
+LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | compact | packed | stock
+LINEAR_MODES = ("auto", "compact", "packed", "stock")
 _PROBE_DIM = 1536
 _PROBE_ROWS = (1, 16)
 _PROBE_REPEATS = 5
@@ -86,8 +89,10 @@ def probe(dtype: torch.dtype) -> tuple[bool, str]:
 def choice(dtype: torch.dtype) -> Choice:
     """Whether CPU linears in `dtype` run packed in this process, and why."""
     mode = os.environ.get(LINEAR_ENV, "auto")
-    if mode not in ("auto", "packed", "stock"):
-        raise ValueError(f"${LINEAR_ENV}={mode!r}: use auto, packed or stock")
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"${LINEAR_ENV}={mode!r}: use {', '.join(LINEAR_MODES[:-1])} or {LINEAR_MODES[-1]}")
+    if mode == "compact":  # compact.py takes the layers it can; the others are decided as under auto
+        mode = "auto"
     if mode == "stock":
         return Choice(False, f"${LINEAR_ENV}=stock")
     why_not = unsupported(dtype)

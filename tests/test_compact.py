@@ -1,0 +1,223 @@
+"""Compact exact fp32 linears (compact.py, csrc/compact_linear.cpp) and the weight groups prepare.py keeps."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import perturbed_copy, tiny_model
+from treegraft_dist import compact, kernels
+from treegraft_dist.budget import model_key
+from treegraft_dist.compact import CompactLinear, Groups
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Decoder
+from treegraft_dist.hf import CausalLM
+
+pytestmark = pytest.mark.skipif(compact._extension()[0] is None, reason=str(compact._extension()[1]))
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+    yield monkeypatch
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+
+
+def group_weight(n: int, k: int, group: int, seed: int, offset: bool = True) -> Groups:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-20, 21, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02
+    off = torch.rand(n, k // group, generator=g) * 0.01 if offset else torch.empty(0)
+    return Groups(q, scale, off, group)
+
+
+def run(form, x, bias=None):
+    return compact._extension()[0].linear(x, *form.args(), bias)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "groups32", "groups16"])
+def test_the_kernel_multiplies_the_exact_fp32_weight(kind):
+    n, k = 37, 96  # n not a multiple of the 4-row block
+    if kind in ("bf16", "fp16"):
+        w = torch.randn(n, k).to(getattr(torch, "bfloat16" if kind == "bf16" else "float16")).float()
+        form = compact.exact_form(w)
+        assert form.kind == (0 if kind == "bf16" else 1)
+    else:
+        groups = group_weight(n, k, int(kind.removeprefix("groups")), seed=1, offset=kind == "groups32")
+        form = groups.form()
+        w = form.decode()
+        assert compact.exact_form(w, {compact.fingerprint(w[0]): groups}) is not None
+    bias = torch.randn(n)
+    assert torch.equal(compact._extension()[0].decode(*form.args()), w)  # the kernel decodes to the same bits
+    for m in (1, 2, 3, 5, 17, 130):  # 130 rows: two passes over the weight (96-row chunks)
+        x = torch.randn(m, k)
+        y = run(form, x, bias)
+        ref = x.double() @ w.double().T + bias.double()
+        assert y.shape == (m, n) and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_row_is_summed_alike_whatever_the_number_of_rows():
+    """A tree pass, prefill and a one-token pass give the same outputs bit for bit."""
+    w = torch.randn(64, 256).to(torch.bfloat16).float()
+    form = compact.exact_form(w)
+    x = torch.randn(200, 256)
+    full = run(form, x)
+    for lo, hi in ((0, 1), (7, 8), (3, 19), (100, 200), (96, 97)):
+        assert torch.equal(run(form, x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+    assert torch.equal(run(form, x.view(10, 20, 256)).view(200, 64), full)  # leading dims are rows too
+
+
+def test_only_exact_forms_are_taken():
+    w = torch.randn(8, 16)  # full fp32 mantissas
+    assert compact.exact_form(w) is None
+    fp16_only = torch.tensor([[1.0 + 2**-9] * 16] * 8)  # 10 mantissa bits: fp16 holds it, bf16 does not
+    assert compact.exact_form(fp16_only).kind == 1
+    groups = group_weight(8, 32, 32, seed=2)
+    other = groups.form().decode()
+    other[3, 5] += 1e-3  # same fingerprint (first row), other values: refused, and not 16-bit exact either
+    assert compact.exact_form(other, {compact.fingerprint(other[0]): groups}) is None
+    assert compact.exact_form(torch.randn(8, 12).to(torch.bfloat16).float()) is None  # K not a multiple of 8
+
+
+def bf16_exact(model):
+    """The same architecture with every weight rounded to bf16 (as a model published in bf16 loads in fp32)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_compact_model_computes_the_fp32_model(arch, fresh_choice):
+    fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
+    model = bf16_exact(tiny_model(arch, seed=3))
+    dense, lm = CausalLM(copy.deepcopy(model)), CausalLM(copy.deepcopy(model))
+    assert lm.compact_linears()
+    linears = [m for m in lm.model.modules() if isinstance(m, (torch.nn.Linear, CompactLinear))]
+    assert linears and all(isinstance(m, CompactLinear) for m in linears)
+    assert lm.head.weight is not None and all(m.weight is None for m in linears if m is not lm.head)
+    assert model_key(lm, "tiny") == model_key(dense, "tiny").replace("float32", "float32-compact")
+    ids = torch.arange(5, 45)
+    ref = dense.logits(dense.hidden(dense.new_cache(), ids, torch.arange(40)))
+    out = lm.logits(lm.hidden(lm.new_cache(), ids, torch.arange(40)))
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_speculation_on_compact_models_reproduces_greedy_decoding_in_fp32(arch, fresh_choice):
+    fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
+    model = bf16_exact(tiny_model(arch, seed=0))
+    target, middle = CausalLM(copy.deepcopy(model)), CausalLM(bf16_exact(perturbed_copy(model, 0.3, 1)))
+    assert target.compact_linears() and middle.compact_linears()
+    prompt = [3, 9, 27, 81, 5, 3, 9, 27, 11, 40, 3, 9]
+    dec = Decoder(target, middle, TreeConfig(budget=16))
+    ref = dec.generate(prompt, 32, "ar").tokens
+    assert ref == Decoder(CausalLM(model)).generate(prompt, 32, "ar").tokens  # the dense fp32 model agrees
+    for method in ("all-small", "all-mid", "01010", "10000"):
+        gen = dec.generate(prompt, 32, method)
+        assert gen.tokens == ref, method
+        assert max(gen.stats.tree_sizes) > 1, method
+
+
+def test_a_drafting_head_over_some_ids_is_compact_too(fresh_choice):
+    from treegraft_dist import draft
+
+    fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
+    lm = CausalLM(bf16_exact(tiny_model("llama", seed=5)))
+    assert lm.compact_linears()
+    h = lm.hidden(lm.new_cache(), torch.arange(3, 13), torch.arange(10))
+    full = lm.logits(h)
+    draft.set_draft_vocabulary(lm, np.array([0, 4, 9, 50, 95]))
+    assert isinstance(lm._draft_head, CompactLinear)
+    assert torch.equal(lm.draft_logits(h), full[:, [0, 4, 9, 50, 95]])
+
+
+def test_off_when_told_and_a_bad_setting_is_a_clear_error(fresh_choice):
+    fresh_choice.setenv(kernels.LINEAR_ENV, "packed")
+    assert not compact.choice().compact and compact.choice().reason == f"${kernels.LINEAR_ENV}=packed"
+    lm = CausalLM(bf16_exact(tiny_model("llama", seed=5)))
+    assert not lm.compact_linears()
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+    fresh_choice.setenv(kernels.LINEAR_ENV, "quick")
+    with pytest.raises(ValueError, match="use auto, compact, packed or stock"):
+        kernels.choice(torch.float32)
+    compact.choice.cache_clear()
+    fresh_choice.delenv(kernels.LINEAR_ENV)
+    c = compact.choice()
+    assert "probe 1 rows: fp32" in c.reason and "16 rows" in c.reason
+
+
+def test_a_bf16_model_is_left_as_it_is(fresh_choice):
+    fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
+    lm = CausalLM(tiny_model("llama", seed=5).to(torch.bfloat16))
+    assert not lm.compact_linears()
+
+
+# -- the weight groups of a GGUF file (prepare.py) ----------------------------------------------------------
+
+def random_blocks(kind: str, n_blocks: int, seed: int) -> np.ndarray:
+    """Valid GGUF blocks of `kind` with random quants and finite, small f16 scales."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[kind]
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    scale_at = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                "Q6_K": [208]}[kind]
+    for at in scale_at:
+        blocks[:, at : at + 2] = rng.uniform(1e-4, 1e-2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_become_groups_that_reproduce_their_dequantized_values(kind, tmp_path):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from treegraft_dist.prepare import _group_params
+
+    qtype = GGMLQuantizationType[kind]
+    small = not kind.endswith("_K")  # blocks of 32 (rows of 64 here) or of 256 columns
+    per_row = 2 if small else 1
+    k = 64 if small else 256
+    blocks = random_blocks(kind, 6 * per_row, seed=7)
+    w = dequantize(blocks.reshape(6, -1), qtype)
+    assert w.shape == (6, k)
+    group, scale, offset = _group_params(kind, blocks)
+    scale = torch.from_numpy(scale.reshape(6, k // group))
+    offset = torch.empty(0) if offset is None else torch.from_numpy(offset.reshape(6, k // group))
+    full_scale = scale.repeat_interleave(group, 1)
+    q = torch.round((torch.from_numpy(w) + (offset.repeat_interleave(group, 1) if offset.numel() else 0)) / full_scale)
+    form = Groups(q.to(torch.int8), scale, offset, group).form()
+    assert torch.equal(form.decode(), torch.from_numpy(w))
+    assert torch.equal(compact._extension()[0].decode(*form.args()), torch.from_numpy(w))
+
+
+def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path):
+    import gguf
+    from gguf.quants import quantize
+    from treegraft_dist.prepare import write_weight_groups
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    write_weight_groups(tmp_path / "m.gguf", tmp_path / compact.GROUPS_FILE, progress=False)
+    groups = compact.load_groups(tmp_path)
+    assert len(groups) == 1
+    dequantized = torch.from_numpy(gguf.quants.dequantize(quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                                          gguf.GGMLQuantizationType.Q8_0))
+    form = compact.exact_form(dequantized, groups)
+    assert form is not None and form.kind == 2 and form.group == 32
+    assert form.nbytes < dequantized.numel() * 4 / 3
+    assert compact.load_groups(tmp_path / "elsewhere") == {}

@@ -1,0 +1,281 @@
+"""fp32 linear layers over weights stored compactly and exactly (CPU).
+
+A CPU decoding step reads every weight once, so it costs what the weights weigh. Many fp32 models hold
+values that a smaller form represents exactly:
+  bf16 / fp16   a model published in 16 bits and loaded in fp32 (most hub checkpoints);
+  int8 groups   a model dequantized from a GGUF k-quant or q8 file (the embedded pair): each weight is
+                fl(fl(A * q) - B) with a small integer q and an fp32 scale A and offset B per group of 16 or
+                32 columns, exactly as the GGUF reader computed it. prepare.py keeps (q, A, B) beside the
+                converted folder (GROUPS_FILE).
+`CompactLinear` keeps such a form (a quarter to a half of the fp32 bytes) and multiplies in fp32 with a
+small C++ kernel (csrc/compact_linear.cpp, AVX2/FMA, built on first use): the weights it multiplies are
+the fp32 weights to the bit, so the model computes what it did in fp32, up to the order of additions.
+Every output sums in one fixed order whatever the number of rows, so a tree pass, prefill and a
+one-token pass give the same linear outputs bit for bit.
+
+A form is used only where it reproduces the fp32 tensor exactly (checked when the layer is converted);
+any other layer keeps the oneDNN packed or stock path (kernels.py). `choice()` decides per process:
+compact where the processor has AVX2/FMA/F16C, the extension builds, and a short probe does not find
+it slower than the packed product at one row and at a 16-row tree. $TREEGRAFT_LINEAR=compact forces it
+where it can run, =packed or =stock turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import kernels
+from .kernels import _PROBE_REPEATS, _PROBE_ROWS, LINEAR_ENV
+from .precision import best_ms, cpu_flags
+
+DTYPE = torch.float32  # the precision compact layers compute in (and the only one they replace)
+GROUPS_FILE = "treegraft-weight-groups.safetensors"  # written by prepare.py beside a converted GGUF model
+_SOURCE = Path(__file__).parent / "csrc" / "compact_linear.cpp"
+_NEEDS_FLAGS = ("avx2", "fma", "f16c")
+_BF16, _FP16, _GROUPS = 0, 1, 2
+_EMPTY = torch.empty(0)
+_PROBE_SHAPE = (3072, 1536)
+
+
+@dataclass(frozen=True)
+class Choice:
+    compact: bool
+    reason: str
+
+
+@functools.cache
+def _extension():
+    """(the compiled kernel module or None, why not)."""
+    missing = [f for f in _NEEDS_FLAGS if f not in cpu_flags()]
+    if missing:
+        return None, f"this processor lacks {', '.join(missing)}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        try:  # the ninja build tool from PyPI: its binary is not on PATH unless the venv is activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+        module = load("treegraft_compact_linear", [str(_SOURCE)],
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # a missing compiler, headers or ninja: the packed path still runs
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, f"the compact kernel did not build ({first[:160]})"
+    return module, ""
+
+
+@dataclass
+class CompactWeight:
+    """An exact compact form of an fp32 weight [N, K]: 16-bit values, or int8 groups with scales."""
+
+    kind: int
+    n: int
+    k: int
+    w16: torch.Tensor = _EMPTY  # [N, K] int16 bits (bf16 or fp16)
+    q: torch.Tensor = _EMPTY  # [N, K] int8
+    scale: torch.Tensor = _EMPTY  # [N, K / group] fp32
+    offset: torch.Tensor = _EMPTY  # [N, K / group] fp32, or empty for none
+    group: int = 0
+
+    def args(self) -> tuple:
+        return self.kind, self.w16, self.q, self.scale, self.offset, self.group
+
+    def decode(self) -> torch.Tensor:  # [N, K] fp32
+        """The fp32 weight, decoded in torch (each multiply and subtract rounded, as the kernel does)."""
+        if self.kind == _BF16:
+            return self.w16.view(torch.bfloat16).float()
+        if self.kind == _FP16:
+            return self.w16.view(torch.float16).float()
+        w = self.scale.repeat_interleave(self.group, dim=1) * self.q.float()
+        if self.offset.numel():
+            w = w - self.offset.repeat_interleave(self.group, dim=1)
+        return w
+
+    def rows(self, index: torch.Tensor) -> CompactWeight:
+        """The form of weight[index] (a drafting head over some ids)."""
+        pick = lambda t: t[index].contiguous() if t.numel() else t  # noqa: E731
+        return CompactWeight(self.kind, len(index), self.k, pick(self.w16), pick(self.q), pick(self.scale),
+                             pick(self.offset), self.group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w16, self.q, self.scale, self.offset))
+
+
+@dataclass(frozen=True)
+class Groups:
+    """int8 groups for one tensor as prepare.py stored them."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K / group] fp32
+    offset: torch.Tensor  # [N, K / group] fp32 or empty
+    group: int
+
+    def form(self) -> CompactWeight:
+        return CompactWeight(_GROUPS, self.q.shape[0], self.q.shape[1], q=self.q, scale=self.scale,
+                             offset=self.offset, group=self.group)
+
+
+def fingerprint(first_row: torch.Tensor) -> str:
+    """A key for a weight: the bytes of its first row's first 64 values (fp32)."""
+    return hashlib.sha1(first_row[:64].float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def load_groups(folder: str | os.PathLike) -> dict[str, Groups]:
+    """The int8 group forms prepare.py kept beside a model folder, keyed by `fingerprint` ({} if none)."""
+    path = Path(folder) / GROUPS_FILE
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    out: dict[str, Groups] = {}
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        for name, group in meta.items():
+            if not name.startswith("group:"):
+                continue
+            base = name.removeprefix("group:")
+            q, scale = f.get_tensor(f"{base}.q"), f.get_tensor(f"{base}.scale")
+            keys = set(f.keys())
+            offset = f.get_tensor(f"{base}.offset") if f"{base}.offset" in keys else _EMPTY
+            g = Groups(q, scale, offset, int(group))
+            out[fingerprint(g.form().rows(torch.tensor([0])).decode()[0])] = g
+    return out
+
+
+def exact_form(weight: torch.Tensor, groups: dict[str, Groups] | None = None) -> CompactWeight | None:
+    """The smallest form that holds the fp32 `weight` [N, K] exactly, or None."""
+    if weight.dtype != DTYPE or weight.dim() != 2 or weight.shape[1] % 8:
+        return None
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    if groups:
+        g = groups.get(fingerprint(weight[0]))
+        if g is not None and tuple(g.q.shape) == (n, k):
+            form = g.form()
+            ext, _ = _extension()
+            if torch.equal(ext.decode(*form.args()) if ext is not None else form.decode(), weight):
+                return form
+    for kind, dtype in ((_BF16, torch.bfloat16), (_FP16, torch.float16)):
+        half = weight.to(dtype)
+        if torch.equal(half.float(), weight):
+            return CompactWeight(kind, n, k, w16=half.view(torch.int16).contiguous())
+    return None
+
+
+def probe() -> tuple[bool, str]:
+    """(compact no slower than the packed fp32 product at both 1 and 16 rows, what was measured)."""
+    ext, _ = _extension()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*_PROBE_SHAPE, generator=g).to(torch.bfloat16).float()
+    form = exact_form(w)
+    dense = (lambda x: kernels._packed_linear(x, packed, None)) if kernels.choice(torch.float32).packed else \
+        (lambda x: nn.functional.linear(x, w))
+    packed = kernels._reorder(w) if kernels.choice(torch.float32).packed else None
+    fns = {}
+    for r in _PROBE_ROWS:
+        x = torch.randn(r, _PROBE_SHAPE[1], generator=g)
+        fns[r, "dense"] = lambda x=x: dense(x)
+        fns[r, "compact"] = lambda x=x: ext.linear(x, *form.args(), None)
+    ms = best_ms(fns, _PROBE_REPEATS)
+    wins = all(ms[r, "compact"] <= ms[r, "dense"] for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} rows: fp32 {ms[r, 'dense']:.2f} ms, compact {ms[r, 'compact']:.2f} ms" for r in _PROBE_ROWS)
+    return wins, f"probe {text}"
+
+
+@functools.cache
+def choice() -> Choice:
+    """Whether fp32 CPU linears with an exact compact form run compact in this process, and why."""
+    mode = os.environ.get(LINEAR_ENV, "auto")
+    if mode in ("packed", "stock"):
+        return Choice(False, f"${LINEAR_ENV}={mode}")
+    ext, why_not = _extension()
+    if ext is None:
+        if mode == "compact":
+            raise ValueError(f"${LINEAR_ENV}=compact: {why_not}; unset it to let the packed path run")
+        return Choice(False, why_not)
+    if mode == "compact":
+        return Choice(True, f"${LINEAR_ENV}=compact")
+    wins, measured = probe()
+    return Choice(wins, f"{measured} ({'compact' if wins else 'compact slower'})")
+
+
+class CompactLinear(nn.Module):
+    """A linear layer over a `CompactWeight`, fp32 in and out. `weight` stays only where a caller reads
+    rows of it (an output head: `keep_dense`)."""
+
+    def __init__(self, form: CompactWeight, bias: torch.Tensor | None, dense: torch.Tensor | None = None):
+        super().__init__()
+        self.form = form
+        self.in_features, self.out_features = form.k, form.n
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.weight = None if dense is None else nn.Parameter(dense, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] fp32 -> [..., N] fp32
+        ext, _ = _extension()
+        return ext.linear(x, *self.form.args(), self.bias)
+
+    def extra_repr(self) -> str:
+        kind = ("bf16", "fp16", f"int8 groups of {self.form.group}")[self.form.kind]
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+def compress(model: nn.Module, groups: dict[str, Groups] | None = None, keep_dense: tuple = ()) -> int:
+    """Replace every fp32 CPU `nn.Linear` of `model` whose weight has an exact compact form by a
+    `CompactLinear` (in place); modules in `keep_dense` keep their fp32 weight too. Returns how many."""
+    count = 0
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                    continue
+                form = exact_form(child.weight, groups)
+                if form is None:
+                    continue
+                dense = child.weight.detach() if child in keep_dense else None
+                setattr(parent, name, CompactLinear(form, child.bias, dense))
+                count += 1
+    return count
+
+
+def compact_head(head: nn.Module, index: torch.Tensor) -> CompactLinear | None:
+    """A drafting head over rows `index` of a compact output head (None where `head` is not compact)."""
+    if not isinstance(head, CompactLinear):
+        return None
+    bias = None if head.bias is None else head.bias[index]
+    return CompactLinear(head.form.rows(index), bias)
+
+
+def summary(model: nn.Module) -> str:
+    """How many of `model`'s linear layers run compact, by form, e.g. "197 of 197 linears compact (int8 groups 197)"."""
+    kinds: dict[str, int] = {}
+    total = 0
+    for m in model.modules():
+        if isinstance(m, CompactLinear):
+            name = ("bf16", "fp16", "int8 groups")[m.form.kind]
+            kinds[name] = kinds.get(name, 0) + 1
+        if isinstance(m, (nn.Linear, CompactLinear)) or type(m).__name__ == "Linear":
+            total += 1
+    forms = ", ".join(f"{k} {v}" for k, v in kinds.items())
+    return f"{sum(kinds.values())} of {total} linears compact{f' ({forms})' if forms else ''}"
+
+
+def describe() -> str:
+    c = choice()
+    return f"compact fp32 linears: {'on' if c.compact else 'off'} ({c.reason})"
+
+
+if __name__ == "__main__":  # python -m treegraft_dist.compact: build the kernel and print the decision
+    print(describe(), file=sys.stderr)
