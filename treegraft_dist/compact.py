@@ -181,9 +181,8 @@ def probe() -> tuple[bool, str]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*_PROBE_SHAPE, generator=g).to(torch.bfloat16).float()
     form = exact_form(w)
-    dense = (lambda x: kernels._packed_linear(x, packed, None)) if kernels.choice(torch.float32).packed else \
-        (lambda x: nn.functional.linear(x, w))
-    packed = kernels._reorder(w) if kernels.choice(torch.float32).packed else None
+    packed = kernels._reorder(w) if kernels.choice(DTYPE).packed else None
+    dense = (lambda x: nn.functional.linear(x, w)) if packed is None else (lambda x: kernels._packed_linear(x, packed, None))
     fns = {}
     for r in _PROBE_ROWS:
         x = torch.randn(r, _PROBE_SHAPE[1], generator=g)
