@@ -53,14 +53,15 @@ class CausalLM:
         if self.device.type == "cpu":
             os.environ.setdefault(SDPA_GQA_ENV, "1")  # =0 keeps transformers' copies
 
-    def compact_linears(self, groups: dict | None = None) -> bool:
+    def compact_linears(self, folder: str | None = None) -> bool:
         """On a CPU in fp32, run every linear layer whose weight has an exact compact form (16-bit values, or
-        the int8 groups `groups` of a GGUF-converted model) through the compact kernel where that is this
+        the int8 groups prepare.py kept in the model's `folder`) through the compact kernel where that is this
         processor's faster path (compact.py); the output head keeps its dense weight for row lookups.
         Returns whether any does. Weights are final afterwards."""
         from . import compact
 
         if not self.compact and self.device.type == "cpu" and self.dtype == compact.DTYPE and compact.choice().compact:
+            groups = compact.load_groups(folder) if folder is not None else {}  # read only when used
             self.compact = compact.compress(self.model, groups, keep_dense=(self.head,)) > 0
             self.head = self.model.get_output_embeddings()
         return self.compact

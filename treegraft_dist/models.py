@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from . import compact, draft
+from . import draft
 from .hf import CausalLM
 from .precision import auto_dtype
 
@@ -189,7 +189,7 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
     if pack:
         if drafter:
             draft.quantize_middle(lm)  # int8 decoder linears where faster (inexact: drafting only)
-        lm.compact_linears(compact.load_groups(_resolve_folder(source)))
+        lm.compact_linears(_resolve_folder(source))
         lm.pack_linears()
     loaded = LoadedModel(lm, tok, source)
     always = draft.special_ids(tok, loaded.eos_ids)
