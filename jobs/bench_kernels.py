@@ -2,7 +2,8 @@
 weights (treegraft_dist/kernels.py) and the compact exact fp32 kernel (treegraft_dist/compact.py).
 
 The target is loaded once per variant (`--variants`, default packed and compact; the first is the
-reference) and all are measured in turn in one process:
+reference) and all are measured in turn in one process. `compact@REV` runs compact weights through the
+kernel source of git revision REV (built under its own name), to compare kernel revisions side by side:
   1. verification ms by tree size (a chain of n nodes on a 256-token cache; best of repeats, interleaved);
   2. whole requests on benchmark prompts: our `ar`, `all-small` at fixed budgets and transformers' own
      greedy `generate`, each on every variant, the order alternating per repeat; tokens/s and whether the
@@ -10,14 +11,19 @@ reference) and all are measured in turn in one process:
 
     python jobs/bench_kernels.py                        # auto dtype, 48 new tokens, 2 repeats
     python jobs/bench_kernels.py --dtype float32 --variants stock,packed,compact --budgets 8,16
+    python jobs/bench_kernels.py --dtype float32 --variants compact@HEAD~1,compact   # kernel before/after
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,14 +58,28 @@ def main() -> None:
     args = ap.parse_args()
     dtype = pick_dtype(args.dtype, torch.device("cpu"))
     names = [v for v in args.variants.split(",") if v]
-    if not names or set(names) - {"stock", "packed", "compact"}:
-        raise SystemExit(f"--variants {args.variants!r}: name some of stock, packed, compact")
+    if not names or {v.partition("@")[0] for v in names} - {"stock", "packed", "compact"}:
+        raise SystemExit(f"--variants {args.variants!r}: name some of stock, packed, compact, compact@REV")
     if "packed" in names and kernels.unsupported(dtype):
         raise SystemExit(f"no packed variant: {kernels.unsupported(dtype)}")
-    if "compact" in names and (dtype != torch.float32 or compact._extension()[0] is None):
+    if any(v.startswith("compact") for v in names) and (dtype != torch.float32 or compact._extension()[0] is None):
         raise SystemExit(f"no compact variant: {'fp32 only' if dtype != torch.float32 else compact._extension()[1]}")
     folder = str(prepare_model(DEFAULT_TARGET))
-    groups = compact.load_groups(folder) if "compact" in names else {}
+    groups = compact.load_groups(folder) if any(v.startswith("compact") for v in names) else {}
+    kernel_modules = {v: revision_kernel(v.partition("@")[2]) for v in names if v.startswith("compact@")}
+
+    @contextlib.contextmanager
+    def kernel_of(variant: str):
+        """compact@REV's layers call REV's kernel while the variant runs."""
+        if variant not in kernel_modules:
+            yield
+            return
+        current = compact._extension
+        compact._extension = lambda: (kernel_modules[variant], "")
+        try:
+            yield
+        finally:
+            compact._extension = current
 
     def load(variant: str):
         loaded = load_model(folder, "cpu", args.dtype, pack=False)
@@ -67,7 +87,7 @@ def main() -> None:
         if variant == "packed":
             kernels.pack(lm.model)
             lm.packed = True
-        elif variant == "compact":
+        elif variant.startswith("compact"):
             lm.compact = compact.compress(lm.model, groups, keep_dense=(lm.head,)) > 0
             lm.head = lm.model.get_output_embeddings()
         return loaded
@@ -81,12 +101,14 @@ def main() -> None:
     caches = {}
     for k, lm in lms.items():
         caches[k] = lm.new_cache()
-        lm.hidden(caches[k], torch.zeros(256, dtype=torch.int64), torch.arange(256))
+        with kernel_of(k):
+            lm.hidden(caches[k], torch.zeros(256, dtype=torch.int64), torch.arange(256))
     ms: dict[tuple[str, int], float] = {}
     for rep in range(3):
         for k in (lms if rep % 2 == 0 else list(lms)[::-1]):
             for n in SIZES:
-                ms[k, n] = min(ms.get((k, n), float("inf")), forward_ms(lms[k], n, repeats=2, cache=caches[k]))
+                with kernel_of(k):
+                    ms[k, n] = min(ms.get((k, n), float("inf")), forward_ms(lms[k], n, repeats=2, cache=caches[k]))
     print("\n| tree size | " + " | ".join(map(str, SIZES)) + " |\n" + "|---" * (len(SIZES) + 1) + "|")
     for k in lms:
         print(f"| {k} ms | " + " | ".join(f"{ms[k, n]:.0f}" for n in SIZES) + " |")
@@ -104,11 +126,12 @@ def main() -> None:
 
     def run(kernel: str, method: str, prompt: list[int], n: int) -> tuple[list[int], float]:
         lm = lms[kernel]
-        if method == "generate":
-            return generate(lm, prompt, n)
-        name, _, budget = method.partition("@")
-        gen = Decoder(lm, None, TreeConfig(budget=int(budget or 1))).generate(prompt, n, name)
-        return gen.tokens, gen.stats.wall_s
+        with kernel_of(kernel):
+            if method == "generate":
+                return generate(lm, prompt, n)
+            name, _, budget = method.partition("@")
+            gen = Decoder(lm, None, TreeConfig(budget=int(budget or 1))).generate(prompt, n, name)
+            return gen.tokens, gen.stats.wall_s
 
     for k, m in variants:  # untimed warm-up
         run(k, m, next(iter(prompts.values())), 4)
@@ -127,6 +150,19 @@ def main() -> None:
         same = {v: all(t == ref for t, _ in rows[(bench, *v)]) for v in variants}
         print(f"| {bench} | " + " | ".join(f"{tps[v]:.2f}{'' if same[v] else ' (ids differ)'}" for v in variants)
               + " | " + " | ".join(f"{tps[k, 'ar'] / tps[names[0], 'ar']:.2f}x" for k in names[1:]) + " |")
+
+
+def revision_kernel(rev: str):
+    """The compact kernel as git revision `rev` has it, built as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:treegraft_dist/csrc/compact_linear.cpp"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent)
+    if source.returncode:
+        raise SystemExit(f"compact@{rev}: {source.stderr.strip()}")
+    name = "treegraft_compact_linear_" + subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True,
+                                                          text=True, cwd=Path(__file__).parent).stdout.strip()
+    folder = Path(tempfile.mkdtemp(prefix="compact-kernel-"))
+    (folder / f"{name}.cpp").write_text(source.stdout)
+    return compact.build_kernel(folder / f"{name}.cpp", name)
 
 
 if __name__ == "__main__":

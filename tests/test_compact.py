@@ -52,22 +52,29 @@ def test_the_kernel_multiplies_the_exact_fp32_weight(kind):
         assert compact.exact_form(w, {compact.fingerprint(w[0]): groups}) is not None
     bias = torch.randn(n)
     assert torch.equal(compact._extension()[0].decode(*form.args()), w)  # the kernel decodes to the same bits
-    for m in (1, 2, 3, 5, 17, 130):  # 130 rows: two passes over the weight (96-row chunks)
+    for m in (1, 2, 3, 4, 5, 6, 7, 17, 130):  # 130 rows: two passes over the weight (96-row chunks)
         x = torch.randn(m, k)
         y = run(form, x, bias)
         ref = x.double() @ w.double().T + bias.double()
         assert y.shape == (m, n) and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_every_row_is_summed_alike_whatever_the_number_of_rows():
-    """A tree pass, prefill and a one-token pass give the same outputs bit for bit."""
-    w = torch.randn(64, 256).to(torch.bfloat16).float()
-    form = compact.exact_form(w)
-    x = torch.randn(200, 256)
+@pytest.mark.parametrize("kind", ["bf16", "groups16", "groups32", "groups64", "groups48"])
+def test_every_row_is_summed_alike_whatever_the_number_of_rows(kind):
+    """A tree pass, prefill and a one-token pass give the same outputs bit for bit: every row count takes
+    one of the kernel's paths (decoded in registers for a few rows, through a buffer for more, in chunks
+    for a prefill), and each group size its own loop (48: the generic one)."""
+    n, k = 66, 384
+    if kind == "bf16":
+        form = compact.exact_form(torch.randn(n, k).to(torch.bfloat16).float())
+    else:
+        form = group_weight(n, k, int(kind.removeprefix("groups")), seed=4, offset=kind != "groups16").form()
+    x = torch.randn(200, k)
     full = run(form, x)
-    for lo, hi in ((0, 1), (7, 8), (3, 19), (100, 200), (96, 97)):
+    spans = [(0, m) for m in range(1, 14)] + [(7, 8), (3, 19), (100, 200), (96, 97)]
+    for lo, hi in spans:
         assert torch.equal(run(form, x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
-    assert torch.equal(run(form, x.view(10, 20, 256)).view(200, 64), full)  # leading dims are rows too
+    assert torch.equal(run(form, x.view(10, 20, k)).view(200, n), full)  # leading dims are rows too
 
 
 def test_only_exact_forms_are_taken():
@@ -99,7 +106,7 @@ def test_a_compact_model_computes_the_fp32_model(arch, fresh_choice):
     linears = [m for m in lm.model.modules() if isinstance(m, (torch.nn.Linear, CompactLinear))]
     assert linears and all(isinstance(m, CompactLinear) for m in linears)
     assert lm.head.weight is not None and all(m.weight is None for m in linears if m is not lm.head)
-    assert model_key(lm, "tiny") == model_key(dense, "tiny").replace("float32", "float32-compact")
+    assert model_key(lm, "tiny") == model_key(dense, "tiny").replace("float32", f"float32-compact{compact.KERNEL_VERSION}")
     ids = torch.arange(5, 45)
     ref = dense.logits(dense.hidden(dense.new_cache(), ids, torch.arange(40)))
     out = lm.logits(lm.hidden(lm.new_cache(), ids, torch.arange(40)))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import compact
 from .files import write_json
 from .hf import CausalLM, compact_cache
 from .precision import cpu_model
@@ -92,7 +93,8 @@ def model_key(lm: CausalLM, source: str) -> str:
     # Compact, packed or int8 linears and a drafting head over fewer ids cost differently: a profile is per kernel path
     # and draft vocabulary too.
     vocab = "" if lm.draft_vocab is None else f"-v{len(lm.draft_vocab)}"
-    return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{'-compact' if lm.compact else ''}"
+    kernel = f"-compact{compact.KERNEL_VERSION}" if lm.compact else ""  # and per revision of the compact kernel
+    return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{kernel}"
             f"{'-packed' if lm.packed else ''}{'-int8' if lm.quantized else ''}{vocab}")
 
 

@@ -43,6 +43,8 @@ _NEEDS_FLAGS = ("avx2", "fma", "f16c")
 _BF16, _FP16, _GROUPS = 0, 1, 2
 _EMPTY = torch.empty(0)
 _PROBE_SHAPE = (3072, 1536)
+# Costs measured with one revision of the kernel do not hold for another: cost profiles name it (budget.model_key).
+KERNEL_VERSION = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
 
 
 @dataclass(frozen=True)
@@ -58,22 +60,25 @@ def _extension():
     if missing:
         return None, f"this processor lacks {', '.join(missing)}"
     try:
-        from torch.utils.cpp_extension import load
-
-        try:  # the ninja build tool from PyPI: its binary is not on PATH unless the venv is activated
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-
-        module = load("treegraft_compact_linear", [str(_SOURCE)],
-                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = build_kernel(_SOURCE, "treegraft_compact_linear")
     except Exception as e:  # a missing compiler, headers or ninja: the packed path still runs
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return None, f"the compact kernel did not build ({first[:160]})"
     return module, ""
+
+
+def build_kernel(source: str | os.PathLike, name: str):
+    """Compile (or load the cached build of) a compact kernel source as the Python module `name`."""
+    from torch.utils.cpp_extension import load
+
+    try:  # the ninja build tool from PyPI: its binary is not on PATH unless the venv is activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    return load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @dataclass
