@@ -4,8 +4,8 @@ return, and sends the pruned tree to the target group.
 It is a threaded actor, one thread per request in flight, so rounds of different requests overlap: one
 request's tree is verified on the target while another's is drafted on the middle drafter or the n-gram
 actor. Within a request, the middle drafter catches up on the newly accepted tokens (`prefetch`)
-while the round's first n-gram steps run. The round itself is the engine's own `draft_tree`, driven
-through drafter proxies; the scheduler runs here, next to the tree it reads.
+while the round's first n-gram steps run. The rounds are the engine's own loop (`speculate`, `draft_tree`),
+driven through drafter proxies; the scheduler runs here, next to the tree it reads.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, draft_tree, resolve_policy,
-                                   round_config, truncate, until_eos)
+from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, finish, resolve_policy,
+                                   round_config, speculate, start_drafters)
+from treegraft_dist.ngram import NGramDrafter
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
 from treegraft_dist.stats import PhaseTimer, RequestStats
 from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM
 
-from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter
+from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter, RoundDrafter, RoundSpec
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
 from .target import TargetGroup
 
@@ -46,9 +47,7 @@ class Coordinator:
     # -- lifetime -------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the drafters and the target group; PlacementError when the GPUs are not there."""
-        cfg = self.cfg
-        self.ngram_host = self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain), NGRAM_BUNDLE,
-                                     self.res.ngram_cpus, 0, "cpu")
+        self.ngram_host = self._spawn_ngram()
         if self.middle_path is not None:
             self.middle_host = self._spawn_middle()
         self.target.build()
@@ -70,12 +69,24 @@ class Coordinator:
         spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback)
         return self._host(spec, MIDDLE_BUNDLE, self.res.middle_cpus, self.res.middle_gpus, self.res.device)
 
+    def _spawn_ngram(self):
+        cfg = self.cfg
+        return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain), NGRAM_BUNDLE,
+                          self.res.ngram_cpus, 0, "cpu")
+
     def _middle_died(self, host) -> None:
         """Restart the middle drafter for later requests (requests in flight finish on n-gram drafting)."""
         with self._lock:
             if host is self.middle_host:
                 ray.kill(host, no_restart=True)
                 self.middle_host = self._spawn_middle()
+
+    def _ngram_died(self, host) -> None:
+        """Restart the n-gram drafter for later requests (requests in flight draft n-grams here)."""
+        with self._lock:
+            if host is self.ngram_host:
+                ray.kill(host, no_restart=True)
+                self.ngram_host = self._spawn_ngram()
 
     # -- introspection (tests, fault drills) ----------------------------------------------------------
     def progress(self) -> dict[int, int]:
@@ -129,7 +140,9 @@ class Coordinator:
             if max_new:
                 with timer.phase("prefill"):
                     first, prefill = self.target.call(gen, "prefill", rid, prompt, seed, True)
-                ngram = RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM)
+                rounds = RoundSpec(cfg, policy, context)
+                ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds),
+                                        NGramDrafter.from_config(cfg), self._ngram_died, mirror=True)
                 drafters.append(ngram)
                 middle = None
                 pattern = getattr(policy, "pattern", None)  # fixed schedules: known in advance
@@ -137,32 +150,12 @@ class Coordinator:
                     middle = FallbackDrafter(RemoteDrafter(self.middle_host, rid, ORIGIN_MIDDLE), ngram,
                                              self._middle_died, prefetch=pattern is None or pattern[0] == "0")
                     drafters.append(middle)
-                for d in drafters:
-                    d.start(prompt, prefill)
-                    d.accept([], [first])
-                out.append(first)
-                while len(out) < max_new and out[-1] not in eos:
-                    live = middle if middle is not None and middle.alive else None
-                    fell_back = middle.fallback_steps if middle is not None else 0
-                    tree, calls = draft_tree(out[-1], cfg, policy, ngram, live, timer, context)
-                    pruned, kept = tree.prune(cfg.budget)
-                    with timer.phase("verify"):
-                        verdict = self.target.call(gen, "verify", rid, pruned)
-                    path = [0] + [int(kept[i]) for i in verdict.accepted]
-                    for d in drafters:
-                        d.accept(path, verdict.tokens)
-                    accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
-                    out.extend(accepted)
-                    self._progress[rid] = len(out)
-                    stats.accepted.append(len(accepted))
-                    stats.tree_sizes.append(pruned.size)
-                    fell_back = middle.fallback_steps - fell_back if middle is not None else 0
-                    stats.middle_calls.append(sum(calls) - fell_back)
+                start_drafters(drafters, prompt, prefill, first)
+                out = speculate(first, cfg, policy, ngram, middle, drafters,
+                                lambda pruned: self.target.call(gen, "verify", rid, pruned), timer, stats, context,
+                                max_new, eos, on_tokens=lambda n: self._progress.__setitem__(rid, n),
+                                draft=RoundDrafter(ngram, middle, timer))
         finally:
             for d in drafters:
                 d.release()
-        out = truncate(out, max_new, eos)
-        stats.rounds = len(stats.accepted)
-        stats.new_tokens = len(out)
-        timer.finish()
-        return Generation(out, stats)
+        return finish(out, stats, timer, max_new, eos)

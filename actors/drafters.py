@@ -1,7 +1,12 @@
 """Drafters as actors: one host actor holds a drafter per in-flight request, and client-side proxies
-speak the `Drafter` protocol, so the engine's own `draft_tree` drives them unchanged.
+speak the `Drafter` protocol, so the engine's own round loop drives them unchanged.
 
-Messages: prompts and accepted token ids in, the tree (plain arrays) in, a `Proposal` (plain arrays) out.
+The n-gram host also runs the request's schedule: `RoundDrafter` has it draft every n-gram layer between two
+middle calls, with the scheduler's decisions, in one actor call (an n-gram step costs well under the ~1 ms of
+a call), and drafts the middle's layers itself.
+
+Messages: prompts and accepted token ids in, the tree (plain arrays) in, a `Proposal` (plain arrays) or the
+round's drafting so far (`engine.Drafting`) out.
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ import torch
 from ray.exceptions import RayActorError
 
 from treegraft_dist.budget import forward_ms
+from treegraft_dist.config import TreeConfig
+from treegraft_dist.engine import Drafting, draft_layer, draft_layers
 from treegraft_dist.models import load_model
 from treegraft_dist.neural import NeuralDrafter
 from treegraft_dist.ngram import NGramDrafter, PrefillCache
+from treegraft_dist.schedule import SchedulePolicy
+from treegraft_dist.stats import PhaseTimer, RequestStats
 from treegraft_dist.tree import DraftTree, Proposal
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,15 @@ class NeuralSpec:
         return NeuralDrafter(lm, self.top_k, self.lookback)
 
 
+@dataclass(frozen=True)
+class RoundSpec:
+    """What the n-gram host needs to draft a request's n-gram layers and decide its middle calls."""
+
+    cfg: TreeConfig
+    policy: SchedulePolicy
+    context: np.ndarray | None  # [4] context signals, when the policy reads signals
+
+
 class DrafterHost:
     """Actor: one drafter of one kind (`spec`) per request id; a thin shell over the plain class."""
 
@@ -61,13 +79,25 @@ class DrafterHost:
         self.spec = spec
         self.lm = spec.load(device)
         self.drafters: dict[int, object] = {}
+        self.rounds: dict[int, RoundSpec] = {}
 
     def ready(self) -> bool:
         return True
 
-    def start(self, rid: int, prompt: list[int], prefill: PrefillCache | None) -> None:
+    def start(self, rid: int, prompt: list[int], prefill: PrefillCache | None, rounds: RoundSpec | None = None) -> None:
         d = self.drafters[rid] = self.spec.new(self.lm)
         d.start(prompt, prefill)
+        if rounds is not None:
+            self.rounds[rid] = rounds
+
+    def draft(self, rid: int, state: Drafting, budgets: tuple[int, ...], has_middle: bool) -> tuple[Drafting, bool]:
+        """Draft `state`'s layers with this request's drafter and schedule until the middle drafter's turn
+        (then True) or the round's end (False); see engine.draft_layers."""
+        r, state = self.rounds[rid], state.own()
+        timer = PhaseTimer(RequestStats("actor"))  # the caller times the whole call
+        want_middle = draft_layers(state, r.cfg, r.policy, self.drafters[rid], None, timer, r.context, budgets,
+                                   has_middle=has_middle)
+        return state, want_middle
 
     def step(self, rid: int, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
         return self.drafters[rid].step(tree, frontier, layer)
@@ -82,6 +112,7 @@ class DrafterHost:
 
     def release(self, rid: int) -> None:
         self.drafters.pop(rid, None)
+        self.rounds.pop(rid, None)
 
     def forward_ms(self, block: int) -> float:
         return forward_ms(self.lm, block, drafting=True)
@@ -91,13 +122,14 @@ class RemoteDrafter:
     """Client side of one request on a DrafterHost: `step` waits for the proposal, `start`, `accept`
     and `prefetch` only enqueue (actor calls from one caller run in order, so the next step sees them)."""
 
-    def __init__(self, host, rid: int, origin: int):
+    def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None):
         self.host = host
         self.rid = rid
         self.origin = origin
+        self.rounds = rounds
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
-        self.host.start.remote(self.rid, prompt, prefill)
+        self.host.start.remote(self.rid, prompt, prefill, self.rounds)
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
         return ray.get(self.host.step.remote(self.rid, tree, frontier, layer))
@@ -113,22 +145,29 @@ class RemoteDrafter:
 
 
 class FallbackDrafter:
-    """The middle drafter of one request, which never fails the request: once its actor is gone every
-    step is answered by the n-gram drafter instead (verification is lossless whoever drafts, so the
-    output is unchanged) and `on_death` is told once, so the owner can restart the actor. With
-    `prefetch`, every accept is followed by the catch-up call (useless when layer 1 calls the middle
-    drafter anyway: it would only split that call in two)."""
+    """One request's drafter on an actor, which never fails the request: once the actor is gone every
+    step is answered by `fallback` instead (verification is lossless whoever drafts, so the output is
+    unchanged) and `on_death` is told once, so the owner can restart the actor.
 
-    def __init__(self, remote: RemoteDrafter, fallback, on_death, prefetch: bool = True):
+    The middle drafter falls back on the request's n-gram drafter. The n-gram drafter falls back on a copy
+    of itself in the caller's process (`mirror`: it is started and told every accepted token as the actor
+    is, so it can take over at any step; an n-gram step is cheap). With `prefetch`, every accept is followed
+    by the catch-up call (useless when layer 1 calls the middle drafter anyway: it would only split that
+    call in two)."""
+
+    def __init__(self, remote: RemoteDrafter, fallback, on_death, prefetch: bool = False, mirror: bool = False):
         self.remote = remote
         self.prefetch = prefetch
+        self.mirror = mirror
         self.origin = remote.origin
         self.fallback = fallback
         self.on_death = on_death
         self.alive = True
-        self.fallback_steps = 0  # steps the n-gram drafter answered in the middle drafter's place
+        self.fallback_steps = 0  # steps the fallback answered in the actor's place
 
     def start(self, prompt, prefill) -> None:
+        if self.mirror:
+            self.fallback.start(prompt, prefill)
         self.remote.start(prompt, prefill)
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
@@ -136,14 +175,20 @@ class FallbackDrafter:
             try:
                 return self.remote.step(tree, frontier, layer)
             except RayActorError as e:
-                self.alive = False
-                log.warning("middle drafter died (%s); request %d continues with n-gram drafting",
-                            type(e).__name__, self.remote.rid)
-                self.on_death(self.remote.host)
+                self.died(e)
         self.fallback_steps += 1
         return self.fallback.step(tree, frontier, layer)
 
+    def died(self, e: Exception) -> None:
+        """The actor is gone: answer from the fallback from now on and tell the owner."""
+        self.alive = False
+        log.warning("a drafter actor died (%s); request %d continues with %s", type(e).__name__,
+                    self.remote.rid, "its local n-gram drafter" if self.mirror else "n-gram drafting")
+        self.on_death(self.remote.host)
+
     def accept(self, path, tokens) -> None:
+        if self.mirror:
+            self.fallback.accept(path, tokens)
         if self.alive:
             self.remote.accept(path, tokens)
             if self.prefetch:
@@ -152,3 +197,36 @@ class FallbackDrafter:
     def release(self) -> None:
         if self.alive:
             self.remote.release()
+
+
+class RoundDrafter:
+    """`draft(root, budgets)` for engine.speculate on actors: the n-gram host drafts every n-gram layer up to
+    the next middle call in one call (`DrafterHost.draft`), the middle drafter's layers are drafted from
+    here. Once the n-gram actor is gone, the n-gram drafter's local mirror drafts those layers here."""
+
+    def __init__(self, ngram: FallbackDrafter, middle: FallbackDrafter | None, timer: PhaseTimer):
+        if ngram.remote.rounds is None or not ngram.mirror:
+            raise ValueError("RoundDrafter needs the n-gram drafter's RoundSpec and a local mirror")
+        self.ngram, self.middle, self.timer = ngram, middle, timer
+        self.spec = ngram.remote.rounds
+
+    def __call__(self, root: int, budgets: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
+        r, state = self.spec, Drafting.new(root)
+        while True:
+            has_middle = self.middle is not None and self.middle.alive
+            want_middle = None
+            if self.ngram.alive:
+                try:
+                    with self.timer.phase("ngram"):
+                        drafted, want_middle = ray.get(self.ngram.remote.host.draft.remote(
+                            self.ngram.remote.rid, state, budgets, has_middle))
+                    state = drafted.own()
+                except RayActorError as e:
+                    self.ngram.died(e)  # the state sent is untouched here: draft on from it
+            if want_middle is None:
+                want_middle = draft_layers(state, r.cfg, r.policy, self.ngram.fallback, None, self.timer, r.context,
+                                           budgets, has_middle=has_middle)
+            if not want_middle:
+                return state.tree, state.calls
+            with self.timer.phase("middle"):
+                draft_layer(state, self.middle, r.cfg.top_k, True)

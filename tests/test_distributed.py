@@ -155,6 +155,25 @@ class TestLlamaTP2:
         assert all(c == 5 for c in later.stats.middle_calls)  # the restarted middle drafts again
 
 
+    def test_ngram_drafter_dies_mid_request(self, engine, pairs):
+        """The coordinator drafts the n-gram layers itself: the same trees, so the same rounds and tokens."""
+        pair = pairs["llama"]
+        p = prompts(9)[-1]
+        ref = engine.submit(p, 150, "all-small")
+        wait_for_progress(engine, 12)
+        dead = engine.actors()["ngram"]
+        ray.kill(dead)
+        got = engine.result(ref)
+        single = pair.decoder.generate(p, 150, "all-small")
+        assert got.tokens == single.tokens == hf_greedy(pair.target, p, 150)
+        assert got.stats.accepted == single.stats.accepted  # every round drafted the single-process tree
+        restarted = engine.actors()["ngram"]
+        assert restarted._actor_id != dead._actor_id
+        q = prompts(10)[0]
+        later = engine.generate(q, 20, "01001")  # the restarted actor drafts the n-gram layers again
+        assert later.tokens == pair.decoder.generate(q, 20, "01001").tokens == hf_greedy(pair.target, q, 20)
+
+
 class TestQwen3TP2Faults:
     ARCH = "qwen3"
 

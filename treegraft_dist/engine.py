@@ -1,7 +1,8 @@
 """The decoding loop: draft a tree with two drafters under a schedule, prune, verify, repeat.
 
-`draft_tree` and `finish_round` take the drafters and the verifier as plain objects, so the same loop
-drives in-process components here and remote ones in a coordinator.
+`speculate` (the rounds) and `draft_tree` (one round's drafting) take the drafters and the verifier as plain
+objects, so the same loop drives in-process components here and remote ones in the coordinator
+(actors/coordinator.py).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from .budget import forward_ms
 from .config import TreeConfig
 from .hf import CausalLM
 from .neural import NeuralDrafter
-from .ngram import NGramDrafter
+from .ngram import NGramDrafter, PrefillCache
 from .sampling import SamplingParams
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
 from .sizing import TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, Proposal
-from .verify import TargetVerifier
+from .verify import TargetVerifier, Verdict
 
 AR_METHOD = "ar"
 
@@ -71,12 +72,35 @@ def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
     return not tree.ancestor_mask(np.flatnonzero(kept))[:, frontier].any()
 
 
-def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, middle, layer: int, calls: list[bool]) -> bool:
-    """Whether no layer from `layer` on can call the middle drafter: none is loaded, the call budget is
+def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, layer: int, calls: list[bool]) -> bool:
+    """Whether no layer from `layer` on can call the middle drafter: none is there, the call budget is
     spent, or a fixed schedule has no call left."""
     pattern = getattr(policy, "pattern", None)  # only a fixed schedule tells its later layers in advance
-    return (middle is None or (cfg.call_budget is not None and sum(calls) >= cfg.call_budget)
+    return (not has_middle or (cfg.call_budget is not None and sum(calls) >= cfg.call_budget)
             or (pattern is not None and "1" not in pattern[layer:]))
+
+
+@dataclass
+class Drafting:
+    """One round's drafting so far: the tree, its frontier, and which of the layers drafted so far called
+    the middle drafter (their count is the next layer's 0-based index)."""
+
+    tree: DraftTree
+    frontier: np.ndarray  # [<= K] node ids the next layer expands
+    calls: list[bool]
+
+    @classmethod
+    def new(cls, root: int) -> Drafting:
+        return cls(DraftTree(root), np.zeros(1, np.int64), [])
+
+    @property
+    def layer(self) -> int:
+        return len(self.calls)
+
+    def own(self) -> Drafting:
+        """A copy whose arrays this process may write (arrays that come out of Ray's object store are
+        read-only)."""
+        return Drafting(self.tree.copy(), self.frontier.copy(), list(self.calls))
 
 
 def draft_tree(
@@ -89,29 +113,47 @@ def draft_tree(
     `budgets`, when given, are all those the tree will be pruned to: once only n-gram layers are left and
     they cannot change the tree pruned to any of them, they are not drafted (pruning_settled). Without,
     every layer is drafted (the whole tree is wanted, e.g. to compare with trajectory collection)."""
-    tree = DraftTree(root)
-    frontier = np.zeros(1, np.int64)
-    calls: list[bool] = []
-    for layer in range(cfg.depth):
+    state = Drafting.new(root)
+    draft_layers(state, cfg, policy, ngram, middle, timer, context, budgets)
+    return state.tree, state.calls
+
+
+def draft_layers(
+    state: Drafting, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
+    context: np.ndarray | None, budgets: tuple[int, ...] = (), has_middle: bool | None = None,
+) -> bool:
+    """Draft the layers of `state` from its next one on (draft_tree). With `middle` None but `has_middle`
+    True, stop before the first layer the schedule gives the middle drafter and return True: the caller
+    drafts that layer (`draft_layer`) and resumes; this is how the n-gram actor drafts every n-gram layer
+    between two middle calls in one call. Returns False once the round's drafting is done."""
+    has_middle = middle is not None if has_middle is None else has_middle
+    while state.layer < cfg.depth:
+        layer, calls = state.layer, state.calls
         with timer.phase("scheduler"):
-            if (budgets and only_ngram_left(cfg, policy, middle, layer, calls)
-                    and all(pruning_settled(tree, frontier, b) for b in budgets)):
+            if (budgets and only_ngram_left(cfg, policy, has_middle, layer, calls)
+                    and all(pruning_settled(state.tree, state.frontier, b) for b in budgets)):
                 calls.extend([False] * (cfg.depth - layer))
                 break
             signals = None
             if policy.needs_signals:
-                signals = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k,
-                                          context)
-            call = (middle is not None and policy.decide(signals, layer)
+                signals = compute_signals(state.tree, state.frontier, layer, calls, cfg.depth, cfg.lookback,
+                                          cfg.top_k, context)
+            call = (has_middle and policy.decide(signals, layer)
                     and (cfg.call_budget is None or sum(calls) < cfg.call_budget))
-        drafter, phase = (middle, "middle") if call else (ngram, "ngram")
-        with timer.phase(phase):
-            proposal = drafter.step(tree, frontier, layer + 1)
-        ids = tree.graft(proposal, layer + 1)
-        if len(proposal):
-            frontier = next_frontier(tree, proposal, ids, cfg.top_k)
-        calls.append(call)
-    return tree, calls
+        if call and middle is None:
+            return True
+        with timer.phase("middle" if call else "ngram"):
+            draft_layer(state, middle if call else ngram, cfg.top_k, call)
+    return False
+
+
+def draft_layer(state: Drafting, drafter, top_k: int, call: bool) -> None:
+    """One layer: `drafter` proposes from the frontier, the proposal is grafted, the frontier moves on."""
+    proposal = drafter.step(state.tree, state.frontier, state.layer + 1)
+    ids = state.tree.graft(proposal, state.layer + 1)
+    if len(proposal):
+        state.frontier = next_frontier(state.tree, proposal, ids, top_k)
+    state.calls.append(call)
 
 
 class Decoder:
@@ -172,44 +214,82 @@ class Decoder:
             ngram = NGramDrafter.from_config(cfg)
             middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback) if self.middle is not None else None
             drafters = [d for d in (ngram, middle) if d is not None]
-            for d in drafters:
-                d.start(prompt, prefill)
-                d.accept([], [first])
-            out.append(first)
-            sizer = self.sizer
-            if sizer is not None:
-                sizer.start_request()
-            while len(out) < max_new and out[-1] not in eos:
-                # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
-                settle = () if sizer is not None else (cfg.budget,) + self.probe_budgets
-                started = time.perf_counter()
-                tree, calls = draft_tree(out[-1], cfg, policy, ngram, middle, timer, context, settle)
-                if sizer is None:
-                    pruned, kept = tree.prune(cfg.budget)
-                else:
-                    pruned, kept, _ = sizer.choose(tree)
-                    sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
-                with timer.phase("verify"):
-                    verdict = verifier.verify(pruned)
-                if sizer is not None:
-                    sizer.observe(tree, kept, verdict.accepted)
-                path = [0] + [int(kept[i]) for i in verdict.accepted]
-                for d in drafters:
-                    d.accept(path, verdict.tokens)
-                accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
-                out.extend(accepted)
-                stats.accepted.append(len(accepted))
-                stats.tree_sizes.append(pruned.size)
-                stats.middle_calls.append(sum(calls))
-                for b in self.probe_budgets:
-                    # The target's greedy continuation is known as far as this round accepted it.
-                    hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
-                    stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
-        out = truncate(out, max_new, eos)
-        stats.rounds = len(stats.accepted)
-        stats.new_tokens = len(out)
-        timer.finish()
-        return Generation(out, stats)
+            start_drafters(drafters, prompt, prefill, first)
+            out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
+                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets)
+        return finish(out, stats, timer, max_new, eos)
+
+
+def start_drafters(drafters: list, prompt: list[int], prefill: PrefillCache | None, first: int) -> None:
+    """Every drafter reads the prompt (and the target's prefill cache) and the first token prefill gave."""
+    for d in drafters:
+        d.start(prompt, prefill)
+        d.accept([], [first])
+
+
+def speculate(
+    first: int, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, drafters: list,
+    verify: Callable[[DraftTree], Verdict], timer: PhaseTimer, stats: RequestStats,
+    context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
+    max_new: int, eos: set[int], *, sizer: TreeSizer | None = None, probe_budgets: tuple[int, ...] = (),
+    on_tokens: Callable[[int], None] | None = None,
+    draft: Callable[[int, tuple[int, ...]], tuple[DraftTree, list[bool]]] | None = None,
+) -> list[int]:
+    """The rounds of one request after its prefill, the same whether its parts run in this process or as
+    actors: draft a tree, prune it to the budget (or let `sizer` choose it), verify it with `verify`, and
+    let every drafter accept the result; until `max_new` tokens or end of sequence. Returns the tokens,
+    `first` included (finish truncates them).
+
+    A middle drafter whose `alive` is False is left out of later rounds; one that answered some steps with
+    n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(n)` is
+    told the count after each round. `draft(root, budgets) -> (tree, calls)` drafts a round in the
+    caller's own way (the coordinator: n-gram layers on the n-gram actor); by default `draft_tree` here."""
+    out = [first]
+    if sizer is not None:
+        sizer.start_request()
+    while len(out) < max_new and out[-1] not in eos:
+        fell_back = getattr(middle, "fallback_steps", 0)
+        # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
+        settle = () if sizer is not None else (cfg.budget,) + probe_budgets
+        started = time.perf_counter()
+        if draft is None:
+            live = middle if middle is not None and getattr(middle, "alive", True) else None
+            tree, calls = draft_tree(out[-1], cfg, policy, ngram, live, timer, context, settle)
+        else:
+            tree, calls = draft(out[-1], settle)
+        if sizer is None:
+            pruned, kept = tree.prune(cfg.budget)
+        else:
+            pruned, kept, _ = sizer.choose(tree)
+            sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
+        with timer.phase("verify"):
+            verdict = verify(pruned)
+        if sizer is not None:
+            sizer.observe(tree, kept, verdict.accepted)
+        path = [0] + [int(kept[i]) for i in verdict.accepted]
+        for d in drafters:
+            d.accept(path, verdict.tokens)
+        accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
+        out.extend(accepted)
+        stats.accepted.append(len(accepted))
+        stats.tree_sizes.append(pruned.size)
+        stats.middle_calls.append(sum(calls) - (getattr(middle, "fallback_steps", 0) - fell_back))
+        for b in probe_budgets:
+            # The target's greedy continuation is known as far as this round accepted it.
+            hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
+            stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
+        if on_tokens is not None:
+            on_tokens(len(out))
+    return out
+
+
+def finish(out: list[int], stats: RequestStats, timer: PhaseTimer, max_new: int, eos: set[int]) -> Generation:
+    """The request's tokens cut as plain decoding stops, with its round counts and phase times closed."""
+    out = truncate(out, max_new, eos)
+    stats.rounds = len(stats.accepted)
+    stats.new_tokens = len(out)
+    timer.finish()
+    return Generation(out, stats)
 
 
 def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt: list[int], max_new: int,
