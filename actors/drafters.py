@@ -90,14 +90,14 @@ class DrafterHost:
         if rounds is not None:
             self.rounds[rid] = rounds
 
-    def draft(self, rid: int, state: Drafting, budgets: tuple[int, ...], has_middle: bool) -> tuple[Drafting, bool]:
+    def draft(self, rid: int, state: Drafting, budgets: tuple[int, ...], has_middle: bool
+              ) -> tuple[Drafting, str | None]:
         """Draft `state`'s layers with this request's drafter and schedule until the middle drafter's turn
-        (then True) or the round's end (False); see engine.draft_layers."""
+        (then "middle") or the round's end (None); see engine.draft_layers."""
         r, state = self.rounds[rid], state.own()
         timer = PhaseTimer(RequestStats("actor"))  # the caller times the whole call
-        want_middle = draft_layers(state, r.cfg, r.policy, self.drafters[rid], None, timer, r.context, budgets,
+        return state, draft_layers(state, r.cfg, r.policy, self.drafters[rid], None, timer, r.context, budgets,
                                    has_middle=has_middle)
-        return state, want_middle
 
     def step(self, rid: int, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
         return self.drafters[rid].step(tree, frontier, layer)
@@ -200,33 +200,44 @@ class FallbackDrafter:
 
 
 class RoundDrafter:
-    """`draft(root, budgets)` for engine.speculate on actors: the n-gram host drafts every n-gram layer up to
-    the next middle call in one call (`DrafterHost.draft`), the middle drafter's layers are drafted from
-    here. Once the n-gram actor is gone, the n-gram drafter's local mirror drafts those layers here."""
+    """`draft(root, budgets)` for engine.speculate on actors, in as few actor calls as the schedule allows:
+    the n-gram host drafts every n-gram layer up to the next middle call in one call (`DrafterHost.draft`),
+    the middle drafter's layers are drafted from here, and for a `stateless` policy the layers after a
+    middle call are decided here too (a fixed all-mid round then costs its five middle calls and nothing
+    more). Once the n-gram actor is gone, the n-gram drafter's local mirror drafts its layers here."""
 
     def __init__(self, ngram: FallbackDrafter, middle: FallbackDrafter | None, timer: PhaseTimer):
         if ngram.remote.rounds is None or not ngram.mirror:
             raise ValueError("RoundDrafter needs the n-gram drafter's RoundSpec and a local mirror")
         self.ngram, self.middle, self.timer = ngram, middle, timer
         self.spec = ngram.remote.rounds
+        self.decide_here = getattr(self.spec.policy, "stateless", False)
 
     def __call__(self, root: int, budgets: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
         r, state = self.spec, Drafting.new(root)
-        while True:
+        wanted = "ngram"  # the first layer: decided on the n-gram host ...
+        if self.decide_here and self.ngram.alive:  # ... or here, where a middle layer would be drafted anyway
             has_middle = self.middle is not None and self.middle.alive
-            want_middle = None
-            if self.ngram.alive:
+            wanted = draft_layers(state, r.cfg, r.policy, None, self.middle if has_middle else None, self.timer,
+                                  r.context, budgets, has_middle=has_middle)
+        while wanted is not None:
+            has_middle = self.middle is not None and self.middle.alive
+            middle = self.middle if has_middle else None
+            if not self.ngram.alive:  # everything here, with the local n-gram mirror
+                wanted = draft_layers(state, r.cfg, r.policy, self.ngram.fallback, middle, self.timer, r.context,
+                                      budgets)
+            elif wanted == "ngram":
                 try:
                     with self.timer.phase("ngram"):
-                        drafted, want_middle = ray.get(self.ngram.remote.host.draft.remote(
+                        drafted, wanted = ray.get(self.ngram.remote.host.draft.remote(
                             self.ngram.remote.rid, state, budgets, has_middle))
                     state = drafted.own()
                 except RayActorError as e:
                     self.ngram.died(e)  # the state sent is untouched here: draft on from it
-            if want_middle is None:
-                want_middle = draft_layers(state, r.cfg, r.policy, self.ngram.fallback, None, self.timer, r.context,
-                                           budgets, has_middle=has_middle)
-            if not want_middle:
-                return state.tree, state.calls
-            with self.timer.phase("middle"):
-                draft_layer(state, self.middle, r.cfg.top_k, True)
+            else:  # the middle drafter's layer, then the next decisions here if the policy allows
+                with self.timer.phase("middle"):
+                    draft_layer(state, self.middle, r.cfg.top_k, True)
+                wanted = (draft_layers(state, r.cfg, r.policy, None, middle, self.timer, r.context, budgets,
+                                       has_middle=has_middle)
+                          if self.decide_here else "ngram" if state.layer < r.cfg.depth else None)
+        return state.tree, state.calls

@@ -121,11 +121,13 @@ def draft_tree(
 def draft_layers(
     state: Drafting, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
     context: np.ndarray | None, budgets: tuple[int, ...] = (), has_middle: bool | None = None,
-) -> bool:
-    """Draft the layers of `state` from its next one on (draft_tree). With `middle` None but `has_middle`
-    True, stop before the first layer the schedule gives the middle drafter and return True: the caller
-    drafts that layer (`draft_layer`) and resumes; this is how the n-gram actor drafts every n-gram layer
-    between two middle calls in one call. Returns False once the round's drafting is done."""
+) -> str | None:
+    """Draft the layers of `state` from its next one on (draft_tree); returns None once the round's
+    drafting is done. A drafter given as None is one the caller drafts with elsewhere: drafting stops before
+    the first layer the schedule gives it, and returns its name ("ngram" or "middle"); the caller drafts that
+    layer (`draft_layer`) or those layers and resumes. `has_middle` (default: `middle` is given) says
+    whether the middle drafter is there at all. This is how the distributed engine drafts every n-gram layer
+    between two middle calls in one call to the n-gram actor."""
     has_middle = middle is not None if has_middle is None else has_middle
     while state.layer < cfg.depth:
         layer, calls = state.layer, state.calls
@@ -140,11 +142,12 @@ def draft_layers(
                                           cfg.top_k, context)
             call = (has_middle and policy.decide(signals, layer)
                     and (cfg.call_budget is None or sum(calls) < cfg.call_budget))
-        if call and middle is None:
-            return True
+        drafter = middle if call else ngram
+        if drafter is None:
+            return "middle" if call else "ngram"
         with timer.phase("middle" if call else "ngram"):
-            draft_layer(state, middle if call else ngram, cfg.top_k, call)
-    return False
+            draft_layer(state, drafter, cfg.top_k, call)
+    return None
 
 
 def draft_layer(state: Drafting, drafter, top_k: int, call: bool) -> None:

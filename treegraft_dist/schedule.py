@@ -21,6 +21,10 @@ _FRONTIER_DEPTH = SIGNAL_NAMES.index("frontier_depth")
 
 
 class SchedulePolicy(Protocol):
+    """`decide` says whether a round's 0-based `layer` calls the middle drafter. A policy that marks itself
+    `stateless = True` (its decision depends on (signals, layer) only) may have its layers decided in two
+    places, as the distributed engine does (the coordinator and the n-gram actor); any other is asked in one."""
+
     name: str
     needs_signals: bool
 
@@ -31,6 +35,7 @@ class SchedulePolicy(Protocol):
 class FixedSchedule:
     pattern: str
     needs_signals: bool = False
+    stateless = True
 
     @property
     def name(self) -> str:
@@ -59,6 +64,7 @@ class ShallowTreeHeuristic:
     min_depth: float = 2.0
     name: str = "treegraft"
     needs_signals: bool = True
+    stateless = True
 
     def decide(self, signals, layer: int) -> bool:
         if layer == 0 or signals[_CALLED].any():

@@ -125,6 +125,7 @@ class LearnedScheduler:
     name = "treegraft"
     needs_signals = True
     budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
+    stateless = True
 
     def __init__(self, model: SchedulerMLP, info: SchedulerInfo):
         self.model = model.eval()

@@ -418,6 +418,7 @@ class ValuePlanner:
     name = "value-planner"
     needs_signals = True
     budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
+    stateless = True
 
     def __init__(self, heads: ValueHeads, max_calls: int | None = None):
         """`max_calls`: the per-round call budget; suffixes that would exceed it count as 0 tokens/s."""
