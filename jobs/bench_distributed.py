@@ -1,6 +1,7 @@
 """Distributed path vs the single-process engine on the same models, on this machine's CPU.
 
   .venv/bin/python jobs/bench_distributed.py [--tokens 64] [--prompts 4] [--tp 1 2]
+  .venv/bin/python jobs/bench_distributed.py --pair embedded --tp 1 --tokens 32 --schedules all-small,01001
 
 Per schedule and TP size: time per round (wall time / target verifications) of the single-process
 `Decoder` and of `actors.DistributedEngine`, and the difference, the per-round overhead of the actors
@@ -27,6 +28,7 @@ from tiny import VOCAB, char_tokenizer, perturbed_copy, save_tiny, tiny_model  #
 
 from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import Resources  # noqa: E402
+from treegraft_dist.config import TreeConfig  # noqa: E402
 from treegraft_dist.engine import Decoder  # noqa: E402
 from treegraft_dist.hf import CausalLM  # noqa: E402
 
@@ -60,15 +62,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--pair", choices=("tiny", "embedded"), default="tiny")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--budget", type=int, default=TreeConfig().budget, help="nodes verified per round")
     args = ap.parse_args()
+    schedules = args.schedules.split(",")
     torch.set_num_threads(1)
     ray.init(num_cpus=2, num_gpus=8, object_store_memory=200 * 1024**2, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
+    if args.pair == "embedded":
+        embedded_pair(args, schedules)
+        return
     model = tiny_model("llama")
     middle = perturbed_copy(model, 0.3, 1)
     decoder = Decoder(CausalLM(model), CausalLM(middle))
     prompts = make_prompts(args.prompts)
-    single = {m: per_round_ms(decoder.generate, prompts, args.tokens, m) for m in SCHEDULES}
+    single = {m: per_round_ms(decoder.generate, prompts, args.tokens, m) for m in schedules}
     rows, tput = [], []
     with tempfile.TemporaryDirectory() as d:
         tok = char_tokenizer()
@@ -77,7 +86,7 @@ def main() -> None:
             res = Resources(tp=tp, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1,
                             coordinator_cpus=0.1, torch_threads=1)
             with DistributedEngine(*paths, resources=res, dtype="float32") as engine:
-                for m in SCHEDULES:
+                for m in schedules:
                     dist_ms, rounds = per_round_ms(engine.generate, prompts, args.tokens, m)
                     rows.append((tp, m, rounds, single[m][0], dist_ms))
                 for c in (1, 4, 8):
@@ -86,18 +95,50 @@ def main() -> None:
     n = sum(len(decoder.generate(p, args.tokens, "01001").tokens) for p in (prompts * 8)[:8])
     single_tput = n / (time.perf_counter() - t)
 
-    print(f"\nPer round ({args.prompts} prompts x {args.tokens} new tokens, tiny LLaMA pair, fp32, "
-          f"{torch.get_num_threads()} torch thread per process)\n")
-    print("| TP | schedule | rounds | single-process ms/round | distributed ms/round | overhead ms/round |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for tp, m, rounds, s, dist in rows:
-        print(f"| {tp} | {m} | {rounds} | {s:.1f} | {dist:.1f} | {dist - s:+.1f} |")
+    print_rounds(f"{args.prompts} prompts x {args.tokens} new tokens, tiny LLaMA pair, fp32", rows)
     print(f"\nThroughput, schedule 01001, {args.tokens} new tokens per request "
           f"(single-process engine, one request at a time: {single_tput:.0f} tokens/s)\n")
     print("| TP | requests in flight | tokens/s (all requests) |")
     print("|---:|---:|---:|")
     for tp, c, v in tput:
         print(f"| {tp} | {c} | {v:.0f} |")
+    ray.shutdown()
+
+
+def print_rounds(what: str, rows) -> None:
+    print(f"\nPer round ({what}, {torch.get_num_threads()} torch thread per process)\n")
+    print("| TP | schedule | rounds | single-process ms/round | distributed ms/round | overhead ms/round | overhead |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for tp, m, rounds, s, dist in rows:
+        print(f"| {tp} | {m} | {rounds} | {s:.1f} | {dist:.1f} | {dist - s:+.1f} | {(dist - s) / s:+.1%} |")
+
+
+def embedded_pair(args, schedules: list[str]) -> None:
+    """Per-round overhead on the embedded pair: the single-process Decoder against the actors."""
+    from treegraft_dist.benchmarks import builtin, chat_prompt
+    from treegraft_dist.models import load_model
+    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
+
+    paths = str(prepare_model(DEFAULT_TARGET)), str(prepare_model(DEFAULT_MIDDLE))
+    target = load_model(paths[0], "cpu", "float32")
+    middle = load_model(paths[1], "cpu", "float32", target.tokenizer, drafter=True)
+    prompts = [chat_prompt(target.tokenizer, [builtin(b)[0].turns[0]], []) for b in ("gsm8k", "humaneval", "mt_bench")]
+    eos = sorted(target.eos_ids)
+    tree = TreeConfig(budget=args.budget)
+    decoder = Decoder(target.lm, middle.lm, tree)
+    single = {m: per_round_ms(lambda p, n, m: decoder.generate(p, n, m, eos_ids=eos), prompts, args.tokens, m)
+              for m in schedules}
+    del decoder, target, middle
+    rows = []
+    for tp in args.tp:
+        res = Resources(tp=tp, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1,
+                        coordinator_cpus=0.1, torch_threads=1)
+        with DistributedEngine(*paths, tree, resources=res, dtype="float32") as engine:
+            for m in schedules:
+                dist_ms, rounds = per_round_ms(lambda p, n, m: engine.generate(p, n, m, eos_ids=eos), prompts,
+                                               args.tokens, m)
+                rows.append((tp, m, rounds, single[m][0], dist_ms))
+    print_rounds(f"3 benchmark prompts x {args.tokens} new tokens, embedded pair, fp32, budget {args.budget}", rows)
     ray.shutdown()
 
 
