@@ -217,27 +217,30 @@ class RoundDrafter:
         r, state = self.spec, Drafting.new(root)
         wanted = "ngram"  # the first layer: decided on the n-gram host ...
         if self.decide_here and self.ngram.alive:  # ... or here, where a middle layer would be drafted anyway
-            has_middle = self.middle is not None and self.middle.alive
-            wanted = draft_layers(state, r.cfg, r.policy, None, self.middle if has_middle else None, self.timer,
-                                  r.context, budgets, has_middle=has_middle)
+            wanted = self._decide_here(state, budgets)
         while wanted is not None:
-            has_middle = self.middle is not None and self.middle.alive
-            middle = self.middle if has_middle else None
             if not self.ngram.alive:  # everything here, with the local n-gram mirror
-                wanted = draft_layers(state, r.cfg, r.policy, self.ngram.fallback, middle, self.timer, r.context,
-                                      budgets)
+                wanted = draft_layers(state, r.cfg, r.policy, self.ngram.fallback, self._live_middle(), self.timer,
+                                      r.context, budgets)
             elif wanted == "ngram":
                 try:
                     with self.timer.phase("ngram"):
                         drafted, wanted = ray.get(self.ngram.remote.host.draft.remote(
-                            self.ngram.remote.rid, state, budgets, has_middle))
+                            self.ngram.remote.rid, state, budgets, self._live_middle() is not None))
                     state = drafted.own()
                 except RayActorError as e:
                     self.ngram.died(e)  # the state sent is untouched here: draft on from it
             else:  # the middle drafter's layer, then the next decisions here if the policy allows
                 with self.timer.phase("middle"):
                     draft_layer(state, self.middle, r.cfg.top_k, True)
-                wanted = (draft_layers(state, r.cfg, r.policy, None, middle, self.timer, r.context, budgets,
-                                       has_middle=has_middle)
-                          if self.decide_here else "ngram" if state.layer < r.cfg.depth else None)
+                wanted = (self._decide_here(state, budgets) if self.decide_here
+                          else "ngram" if state.layer < r.cfg.depth else None)
         return state.tree, state.calls
+
+    def _live_middle(self) -> FallbackDrafter | None:
+        return self.middle if self.middle is not None and self.middle.alive else None
+
+    def _decide_here(self, state: Drafting, budgets: tuple[int, ...]) -> str | None:
+        """Decide (and draft the middle drafter's) layers here up to the next n-gram layer."""
+        r = self.spec
+        return draft_layers(state, r.cfg, r.policy, None, self._live_middle(), self.timer, r.context, budgets)

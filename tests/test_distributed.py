@@ -67,6 +67,15 @@ def wait_for_progress(engine, tokens, timeout=60.0):
     raise AssertionError(f"no request reached {tokens} tokens within {timeout} s")
 
 
+def kill_mid_request(engine, actor: str, prompt, tokens: int, method: str):
+    """Kill the `actor` ("middle", "ngram") once a request is under way; (the killed actor, its result)."""
+    ref = engine.submit(prompt, tokens, method)
+    wait_for_progress(engine, 12)
+    dead = engine.actors()[actor]
+    ray.kill(dead)
+    return dead, engine.result(ref)
+
+
 def tp_logits(engine, prompt):
     """Every target rank runs the same prefill forward; rank 0's logits (a test-only look inside)."""
 
@@ -140,11 +149,7 @@ class TestLlamaTP2:
     def test_middle_drafter_dies_mid_request(self, engine, pairs):
         pair = pairs["llama"]
         p = prompts(4)[-1]
-        ref = engine.submit(p, 150, "all-mid")
-        wait_for_progress(engine, 12)
-        dead = engine.actors()["middle"]
-        ray.kill(dead)
-        got = engine.result(ref)
+        dead, got = kill_mid_request(engine, "middle", p, 150, "all-mid")
         assert got.tokens == hf_greedy(pair.target, p, 150) == pair.decoder.generate(p, 150, "all-mid").tokens
         calls = got.stats.middle_calls
         assert calls[0] == 5 and calls[-1] == 0, calls  # the middle drafted before the kill, n-gram after
@@ -154,16 +159,11 @@ class TestLlamaTP2:
         assert later.tokens == hf_greedy(pair.target, prompts(5)[0], 20)
         assert all(c == 5 for c in later.stats.middle_calls)  # the restarted middle drafts again
 
-
     def test_ngram_drafter_dies_mid_request(self, engine, pairs):
         """The coordinator drafts the n-gram layers itself: the same trees, so the same rounds and tokens."""
         pair = pairs["llama"]
         p = prompts(9)[-1]
-        ref = engine.submit(p, 150, "all-small")
-        wait_for_progress(engine, 12)
-        dead = engine.actors()["ngram"]
-        ray.kill(dead)
-        got = engine.result(ref)
+        dead, got = kill_mid_request(engine, "ngram", p, 150, "all-small")
         single = pair.decoder.generate(p, 150, "all-small")
         assert got.tokens == single.tokens == hf_greedy(pair.target, p, 150)
         assert got.stats.accepted == single.stats.accepted  # every round drafted the single-process tree

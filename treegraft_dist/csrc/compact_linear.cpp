@@ -98,10 +98,12 @@ void decode_rows(const Weight& w, int64_t n0, int64_t rows, float* buf) {
   }
 }
 
-// Two weight rows' int8 groups of G columns against MR inputs, decoded in registers as they are used.
+// Two weight rows' int8 groups against MR inputs, decoded in registers as they are used. G is the group
+// size when known at compile time (its loop then unrolls), 0 for any other (w.group).
 template <int MR, int G>
 inline void fused_groups(const Weight& w, int64_t na, int64_t nb, const float* x, int64_t ldx, __m256 (&acc)[MR][2]) {
-  const int64_t k = w.k, groups = k / G;
+  const int64_t group = G ? G : w.group;
+  const int64_t k = w.k, groups = k / group;
   const int8_t* qa = w.q + na * k;
   const int8_t* qb = w.q + nb * k;
   const float* sa = w.a + na * groups;
@@ -109,14 +111,14 @@ inline void fused_groups(const Weight& w, int64_t na, int64_t nb, const float* x
   const float* oa = w.b ? w.b + na * groups : nullptr;
   const float* ob = w.b ? w.b + nb * groups : nullptr;
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * G;
+    const int64_t c0 = g * group;
     _mm_prefetch(reinterpret_cast<const char*>(qa + c0 + PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(qb + c0 + PREFETCH), _MM_HINT_T0);
     const __m256 aa = _mm256_set1_ps(sa[g]), ab = _mm256_set1_ps(sb[g]);
     const __m256 ba = oa ? _mm256_set1_ps(oa[g]) : _mm256_setzero_ps();
     const __m256 bb = ob ? _mm256_set1_ps(ob[g]) : _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int c = 0; c < G; c += 8) {
+    for (int64_t c = 0; c < group; c += 8) {
       const __m256 wa = load_q8(qa + c0 + c, aa, ba), wb = load_q8(qb + c0 + c, ab, bb);
       for (int m = 0; m < MR; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * ldx + c0 + c);
@@ -142,24 +144,7 @@ inline void fused_product(const Weight& w, int64_t n0, const float* x, int64_t l
       if (w.group == 32) fused_groups<MR, 32>(w, na, nb, x, ldx, acc);
       else if (w.group == 16) fused_groups<MR, 16>(w, na, nb, x, ldx, acc);
       else if (w.group == 64) fused_groups<MR, 64>(w, na, nb, x, ldx, acc);
-      else {
-        const int64_t groups = k / w.group;
-        const int8_t* qa = w.q + na * k;
-        const int8_t* qb = w.q + nb * k;
-        for (int64_t g = 0; g < groups; ++g) {
-          const __m256 aa = _mm256_set1_ps(w.a[na * groups + g]), ab = _mm256_set1_ps(w.a[nb * groups + g]);
-          const __m256 ba = w.b ? _mm256_set1_ps(w.b[na * groups + g]) : _mm256_setzero_ps();
-          const __m256 bb = w.b ? _mm256_set1_ps(w.b[nb * groups + g]) : _mm256_setzero_ps();
-          for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 8) {
-            const __m256 wa = load_q8(qa + c, aa, ba), wb = load_q8(qb + c, ab, bb);
-            for (int m = 0; m < MR; ++m) {
-              const __m256 xv = _mm256_loadu_ps(x + m * ldx + c);
-              acc[m][0] = _mm256_fmadd_ps(xv, wa, acc[m][0]);
-              acc[m][1] = _mm256_fmadd_ps(xv, wb, acc[m][1]);
-            }
-          }
-        }
-      }
+      else fused_groups<MR, 0>(w, na, nb, x, ldx, acc);
     } else {
       const uint16_t* pa = w.w16 + na * k;
       const uint16_t* pb = w.w16 + nb * k;
