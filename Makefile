@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q -e ".[test]"
 	$(VENV)/bin/python -m treegraft_dist.compact
 	touch $(STAMP)
 

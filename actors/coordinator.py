@@ -2,8 +2,10 @@
 return, and sends the pruned tree to the target group.
 
 It is a threaded actor, one thread per request in flight, so rounds of different requests overlap: one
-request's tree is verified on the target while another's is drafted on the middle drafter or the n-gram
-actor. Within a request, the middle drafter catches up on the newly accepted tokens (`prefetch`)
+request's tree is drafted on the middle drafter or the n-gram actor while others are verified, and the
+trees (and plain steps, and prompt chunks) that wait for the target at the same time go in one forward
+pass (`TargetBatcher`), with trees sized for the load (`sizing.LoadBudget`) and requests admitted as
+their KV caches fit. Within a request, the middle drafter catches up on the newly accepted tokens (`prefetch`)
 while the round's first n-gram steps run. The rounds are the engine's own loop (`speculate`, `draft_tree`),
 driven through drafter proxies; the scheduler runs here, next to the tree it reads.
 """
@@ -11,6 +13,7 @@ driven through drafter proxies; the scheduler runs here, next to the tree it rea
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 
 import ray
@@ -18,17 +21,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, finish, resolve_policy,
-                                   round_config, speculate, start_drafters)
+                                   round_config, speculate, start_drafters, truncate)
 from treegraft_dist.ngram import NGramDrafter
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
+from treegraft_dist.sizing import LoadBudget
 from treegraft_dist.stats import PhaseTimer, RequestStats
 from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM
 
 from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter, RoundDrafter, RoundSpec
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
-from .target import TargetGroup
+from .target import TargetBatcher, TargetGroup
 
 
 class Coordinator:
@@ -41,6 +45,13 @@ class Coordinator:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._progress: dict[int, int] = {}
+        self._cancels: dict[str, threading.Event] = {}
+        self.batcher: TargetBatcher | None = None
+        self._kv = threading.Condition()  # admission: KV cache tokens reserved by the requests admitted
+        self._kv_used = self._kv_capacity = 0
+        self._active = 0
+        self._load_budget: LoadBudget | None = None
+        self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
 
@@ -51,9 +62,15 @@ class Coordinator:
         if self.middle_path is not None:
             self.middle_host = self._spawn_middle()
         self.target.build()
+        self.batcher = TargetBatcher(self.target, self.res.max_batch_rows, self.res.prefill_chunk)
+        per_token, free = self.target.call(self.target.wait_ready(), "kv_capacity", check=False)
+        budget = free if self.res.kv_cache_gb is None else self.res.kv_cache_gb * 1e9
+        self._kv_capacity = int(budget // per_token)  # tokens
         ray.get([h.ready.remote() for h in (self.ngram_host, self.middle_host) if h is not None])
 
     def shutdown(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.target.shutdown()
         for h in (self.ngram_host, self.middle_host):
             if h is not None:
@@ -89,12 +106,19 @@ class Coordinator:
                 self.ngram_host = self._spawn_ngram()
 
     # -- introspection (tests, fault drills) ----------------------------------------------------------
+    @ray.method(concurrency_group="control")
     def progress(self) -> dict[int, int]:
         """Tokens generated so far by each request in flight."""
         return dict(self._progress)
 
+    @ray.method(concurrency_group="control")
     def actors(self) -> dict:
         return {"ngram": self.ngram_host, "middle": self.middle_host, "target": list(self.target.workers)}
+
+    @ray.method(concurrency_group="control")
+    def target_passes(self) -> tuple[int, int]:
+        """(target forward passes, pieces of request work they held) since the group was built."""
+        return self.target.call(self.target.wait_ready(), "passes", check=False)
 
     @property
     def timings(self) -> Timings:
@@ -109,27 +133,130 @@ class Coordinator:
     def resolve_policy(self, method) -> SchedulePolicy:
         return resolve_policy(method, self.cfg.depth, self.middle_path is not None)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
-                 seed: int = 0) -> Generation:
+    def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(), seed: int = 0,
+                 sampling: SamplingParams | None = None) -> Generation:
+        """One request to the end; `sampling` overrides the engine's for this request."""
+        return self._run(prompt, max_new_tokens, method, eos_ids, seed, sampling)
+
+    def stream(self, key: str, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
+               seed: int = 0, sampling: SamplingParams | None = None):
+        """One request as a Ray streaming generator: {"tokens": [new ids]} as rounds accept them (cut as
+        `generate` cuts them), then {"stats": RequestStats}. `cancel(key)` (or the caller dropping the
+        stream) ends the request after the round in flight, with the stats of what it generated."""
+        check_request(prompt, max_new_tokens)
+        updates: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            cancelled = self._cancels[key] = threading.Event()
+            if key in self._cancelled_early:  # cancelled while it waited for a thread
+                self._cancelled_early.pop(key)
+                cancelled.set()
+        eos, sent = set(eos_ids), 0
+
+        def on_tokens(out: list[int]) -> bool:
+            nonlocal sent
+            cut = truncate(out, max_new_tokens, eos)
+            if len(cut) > sent and not cancelled.is_set():
+                updates.put(cut[sent:])
+                sent = len(cut)
+            return cancelled.is_set()
+
+        def run() -> None:
+            try:
+                updates.put(self._run(prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens))
+            except BaseException as e:  # handed to the generator, which raises it to the caller
+                updates.put(e)
+
+        threading.Thread(target=run, name=f"request-{key}", daemon=True).start()
+        try:
+            while True:
+                item = updates.get()
+                if isinstance(item, list):
+                    yield {"tokens": item}
+                elif isinstance(item, Generation):
+                    yield {"stats": item.stats}
+                    return
+                else:
+                    raise item
+        finally:
+            cancelled.set()
+            self._cancels.pop(key, None)
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, key: str) -> bool:
+        """Stop the streamed request `key` after its round in flight (or before its first, when it has not
+        started yet); False when it is not running."""
+        with self._lock:
+            event = self._cancels.get(key)
+            if event is None:
+                self._cancelled_early[key] = None
+                while len(self._cancelled_early) > 4096:  # keys of requests that ended meanwhile
+                    self._cancelled_early.pop(next(iter(self._cancelled_early)))
+                return False
+        event.set()
+        return True
+
+    def _run(self, prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens=None) -> Generation:
         check_request(prompt, max_new_tokens)
         policy = None if method == AR_METHOD else self.resolve_policy(method)
+        tokens = self._admit(len(prompt) + max_new_tokens + self.cfg.max_tree_depth + 1)
         rid = next(self._ids)
-        gen = self.target.wait_ready()
         self._progress[rid] = 0
+
+        def progress(out: list[int]) -> bool:
+            self._progress[rid] = len(out)
+            return on_tokens is not None and on_tokens(out)
+
+        gen = None
         try:
+            gen = self.target.wait_ready()
             if policy is None:
-                return self._generate_ar(rid, gen, list(prompt), max_new_tokens, set(eos_ids), seed)
-            return self._generate_spec(rid, gen, policy, list(prompt), max_new_tokens, set(eos_ids), seed)
+                return self._generate_ar(rid, gen, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
+                                         progress)
+            return self._generate_spec(rid, gen, policy, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
+                                       progress)
         finally:
             del self._progress[rid]
-            self.target.release(gen, rid)
+            if gen is not None:
+                self.target.release(gen, rid)
+            with self._kv:
+                self._kv_used -= tokens
+                self._active -= 1
+                self._kv.notify_all()
 
-    def _generate_ar(self, rid, gen, prompt, max_new, eos, seed) -> Generation:
-        return decode_plain(lambda p: self.target.call(gen, "prefill", rid, p, seed, False)[0],
-                            lambda tok: self.target.call(gen, "step", rid, tok), prompt, max_new, eos,
-                            on_token=lambda n: self._progress.__setitem__(rid, n))
+    def _admit(self, tokens: int) -> int:
+        """Wait until a request's KV cache fits beside those admitted; a pass holds a working copy of every
+        cache in it, so each counts twice. ValueError when it could never fit."""
+        need = 2 * tokens
+        if need > self._kv_capacity:
+            raise ValueError(f"the request needs a KV cache of {tokens} tokens (prompt + max_new_tokens + the draft "
+                             f"tree), more than the engine holds ({self._kv_capacity // 2} tokens): shorten the "
+                             "prompt or ask for fewer tokens")
+        with self._kv:
+            self._kv.wait_for(lambda: self._kv_used + need <= self._kv_capacity)
+            self._kv_used += need
+            self._active += 1
+        return need
 
-    def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed) -> Generation:
+    def _round_budget(self, cfg: TreeConfig, stats: RequestStats) -> int:
+        """This round's tree size: cfg.budget alone, smaller as more requests share the target's passes."""
+        if self._active <= 1 and self._load_budget is None:
+            return cfg.budget
+        with self._lock:
+            if self._load_budget is None:  # measured once, when passes are first shared
+                sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(2, self.res.max_batch_rows)]
+                costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
+                self._load_budget = LoadBudget(cfg.budget, costs)
+        lb = self._load_budget
+        if stats.accepted:
+            lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
+        return lb(self._active)
+
+    def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
+        return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
+                            lambda tok: self.batcher.step(gen, rid, tok), prompt, max_new, eos,
+                            on_tokens=progress)
+
+    def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         cfg = round_config(self.cfg, policy, lambda: self.timings)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
@@ -139,7 +266,7 @@ class Coordinator:
         try:
             if max_new:
                 with timer.phase("prefill"):
-                    first, prefill = self.target.call(gen, "prefill", rid, prompt, seed, True)
+                    first, prefill = self.batcher.prefill(gen, rid, prompt, seed, True, sampling)
                 rounds = RoundSpec(cfg, policy, context)
                 ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds),
                                         NGramDrafter.from_config(cfg), self._ngram_died, mirror=True)
@@ -152,9 +279,9 @@ class Coordinator:
                     drafters.append(middle)
                 start_drafters(drafters, prompt, prefill, first)
                 out = speculate(first, cfg, policy, ngram, middle, drafters,
-                                lambda pruned: self.target.call(gen, "verify", rid, pruned), timer, stats, context,
-                                max_new, eos, on_tokens=lambda n: self._progress.__setitem__(rid, n),
-                                draft=RoundDrafter(ngram, middle, timer))
+                                lambda pruned: self.batcher.verify(gen, rid, pruned), timer, stats, context,
+                                max_new, eos, on_tokens=progress, draft=RoundDrafter(ngram, middle, timer),
+                                budget=(lambda: self._round_budget(cfg, stats)) if self.res.adapt_budget else None)
         finally:
             for d in drafters:
                 d.release()

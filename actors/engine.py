@@ -37,9 +37,10 @@ class DistributedEngine:
         self.pg = reserve(resources.control_bundles(with_middle=middle is not None), "PACK",
                           "coordinator and drafters", resources.placement_timeout_s)
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=COORDINATOR_BUNDLE)
-        # Threads: one per request in flight, plus room for progress() and actors() while all are busy.
-        self.coordinator = ray.remote(Coordinator).options(
-            num_cpus=resources.coordinator_cpus, max_concurrency=resources.max_requests + 2, max_restarts=0,
+        # Threads: one per request in flight; progress(), actors() and cancel() have their own, so they
+        # answer while every request thread is busy.
+        self.coordinator = ray.remote(concurrency_groups={"control": 2})(Coordinator).options(
+            num_cpus=resources.coordinator_cpus, max_concurrency=resources.max_requests, max_restarts=0,
             scheduling_strategy=strategy,
         ).remote(target, middle, tree, sampling, resources, dtype, self.pg, timings)
         try:
@@ -49,18 +50,31 @@ class DistributedEngine:
             raise
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
-               seed: int = 0) -> ray.ObjectRef:
-        """Start one request; `result(ref)` waits for its Generation."""
-        return self.coordinator.generate.remote(list(prompt_ids), max_new_tokens, method, tuple(eos_ids), seed)
+               seed: int = 0, sampling: SamplingParams | None = None) -> ray.ObjectRef:
+        """Start one request; `result(ref)` waits for its Generation. `sampling` overrides the engine's."""
+        return self.coordinator.generate.remote(list(prompt_ids), max_new_tokens, method, tuple(eos_ids), seed,
+                                                sampling)
+
+    def stream(self, key: str, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
+               seed: int = 0, sampling: SamplingParams | None = None):
+        """Start one request as a stream: a Ray ObjectRefGenerator (iterate it, or `async for` it) of
+        {"tokens": [new ids]} as rounds accept them, then {"stats": RequestStats}. `key` names it for
+        `cancel`; it must be unique among the requests in flight."""
+        return self.coordinator.stream.remote(key, list(prompt_ids), max_new_tokens, method, tuple(eos_ids), seed,
+                                              sampling)
+
+    def cancel(self, key: str) -> ray.ObjectRef:
+        """Stop the streamed request `key` after its round in flight (a ref to whether it was running)."""
+        return self.coordinator.cancel.remote(key)
 
     @staticmethod
     def result(ref: ray.ObjectRef) -> Generation:
         return _get(ref)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
-                 seed: int = 0) -> Generation:
+                 seed: int = 0, sampling: SamplingParams | None = None) -> Generation:
         """Same arguments and result as `treegraft_dist.engine.Decoder.generate`."""
-        return self.result(self.submit(prompt_ids, max_new_tokens, method, eos_ids, seed))
+        return self.result(self.submit(prompt_ids, max_new_tokens, method, eos_ids, seed, sampling))
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int, method="all-small", eos_ids=(),
                       seed: int = 0) -> list[Generation]:
@@ -71,6 +85,11 @@ class DistributedEngine:
     def progress(self) -> dict[int, int]:
         """Tokens generated so far by each request in flight."""
         return ray.get(self.coordinator.progress.remote())
+
+    def target_passes(self) -> tuple[int, int]:
+        """(target forward passes, pieces of request work they held): more pieces than passes means
+        concurrent requests shared passes."""
+        return ray.get(self.coordinator.target_passes.remote())
 
     def actors(self) -> dict:
         """Handles of the actors: {"ngram": ..., "middle": ..., "target": [rank 0, ...]}."""

@@ -27,7 +27,10 @@ class Resources:
     device = where tensors live: "cuda" (NCCL between ranks) or "cpu" (gloo). GPUs are reserved as
     configured whatever the device, so CPU tests place actors on fake GPUs (`ray.init(num_gpus=...)`).
     torch_threads = intra-op threads per model actor (None: torch's default). max_requests = requests
-    the coordinator runs at once. Timeouts: placement_timeout_s for a placement group to be granted,
+    the coordinator runs at once; their target work is batched into passes of up to max_batch_rows rows
+    (prompts in chunks of prefill_chunk tokens), and with adapt_budget each round's tree shrinks as more
+    requests share a pass (sizing.LoadBudget). kv_cache_gb bounds the KV caches of the requests admitted
+    (None: measured on the target ranks after loading); a request waits until its cache fits. Timeouts: placement_timeout_s for a placement group to be granted,
     dist_timeout_s for the torch.distributed rendezvous and any collective."""
 
     tp: int = 1
@@ -40,6 +43,10 @@ class Resources:
     coordinator_cpus: float = 1.0
     torch_threads: int | None = None
     max_requests: int = 16
+    max_batch_rows: int = 256
+    prefill_chunk: int = 256
+    adapt_budget: bool = True
+    kv_cache_gb: float | None = None
     placement_timeout_s: float = 30.0
     dist_timeout_s: float = 120.0
 
@@ -53,8 +60,11 @@ class Resources:
         for name in ("target_gpus", "target_cpus", "middle_gpus", "middle_cpus", "ngram_cpus", "coordinator_cpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_requests < 1:
-            raise ValueError(f"max_requests must be at least 1, got {self.max_requests}")
+        for name in ("max_requests", "max_batch_rows", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (or None: measured), got {self.kv_cache_gb}")
 
     @property
     def backend(self) -> str:
@@ -67,6 +77,16 @@ class Resources:
         """Bundles in the order COORDINATOR_BUNDLE, NGRAM_BUNDLE[, MIDDLE_BUNDLE]."""
         out = [_bundle(self.coordinator_cpus, 0), _bundle(self.ngram_cpus, 0)]
         return out + [_bundle(self.middle_cpus, self.middle_gpus)] if with_middle else out
+
+
+def for_device(device: str, tp: int = 1, **changes) -> Resources:
+    """An engine's resources on `device`: on "cuda" every target rank and the middle drafter own a GPU; on
+    "cpu" the actors share the cores and ask for no GPUs."""
+    if device == "cpu":
+        cpu = dict(target_gpus=0, middle_gpus=0, target_cpus=0.25, middle_cpus=0.25, ngram_cpus=0.1,
+                   coordinator_cpus=0.1)
+        return Resources(tp=tp, device="cpu", **{**cpu, **changes})
+    return Resources(tp=tp, device=device, **changes)
 
 
 def _bundle(cpus: float, gpus: float) -> dict:

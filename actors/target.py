@@ -13,17 +13,19 @@ import os
 import threading
 from datetime import timedelta
 
+import psutil
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.budget import forward_ms
+from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work
+from treegraft_dist.budget import PROFILE_PAST, forward_ms
 from treegraft_dist.hf import CausalLM
 from treegraft_dist.models import check_supported, load_config, load_model, pick_dtype
 from treegraft_dist.sampling import SamplingParams
 from treegraft_dist.tree import DraftTree
-from treegraft_dist.verify import TargetVerifier, Verdict
+from treegraft_dist.verify import Verdict
 
 from .resources import Resources, reserve
 
@@ -59,7 +61,7 @@ class TargetWorker:
         self.path, self.rank, self.res, self.sampling, self.dtype = path, rank, resources, sampling, dtype
         self.lm: CausalLM | None = None
         self.store = None  # rank 0: the process group's store, served from rendezvous() on
-        self.requests: dict[int, TargetVerifier] = {}
+        self.batch: BatchedTarget | None = None  # every request's KV cache shard, by request id
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, port) of the process group's store, asked of rank 0: it serves the store itself on a port
@@ -83,24 +85,44 @@ class TargetWorker:
             torch.distributed.init_process_group(self.res.backend, store=store, rank=self.rank, world_size=tp,
                                                  timeout=timeout)
         self.lm = load_sharded(self.path, tp, self.res.device, self.dtype)
+        self.batch = BatchedTarget(self.lm, self.sampling)
 
-    def prefill(self, rid: int, prompt: list[int], seed: int, want_prefill_cache: bool):
-        generator = torch.Generator(device=self.lm.device).manual_seed(seed)
-        v = self.requests[rid] = TargetVerifier(self.lm, self.sampling, generator)
-        first, cache = v.prefill(prompt, want_prefill_cache)
-        return first, cache if self.rank == 0 else None
+    def run(self, items: list[Work]) -> list:
+        """One forward pass over several requests' work (batch.BatchedTarget.run); only rank 0 returns
+        prefill caches."""
+        out = self.batch.run(items)
+        if self.rank:
+            out = [(r[0], None) if isinstance(r, tuple) else r for r in out]
+        return out
 
-    def verify(self, rid: int, tree: DraftTree) -> Verdict:
-        return self.requests[rid].verify(tree)
-
-    def step(self, rid: int, token: int) -> int:
-        return self.requests[rid].step(token)
+    def passes(self) -> tuple[int, int]:
+        """(forward passes, work items they held) so far."""
+        return self.batch.passes, self.batch.items
 
     def release(self, rid: int) -> None:
-        self.requests.pop(rid, None)
+        self.batch.release(rid)
 
     def forward_ms(self, block: int) -> float:
         return forward_ms(self.lm, block)
+
+    def pass_costs(self, sizes: list[int]) -> dict[int, float]:
+        """Milliseconds of a verification pass of each size, over one warm cache of PROFILE_PAST tokens."""
+        cache = self.lm.new_cache()
+        self.lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
+        return {n: forward_ms(self.lm, n, cache=cache) for n in sizes}
+
+    def kv_capacity(self) -> tuple[int, int]:
+        """(bytes of KV cache one token takes on this rank, bytes this rank can give KV caches): on a GPU
+        85% of its free memory after loading, on a CPU half of the memory available."""
+        cfg = self.lm.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.lm.dtype.itemsize // self.res.tp
+        if self.lm.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.lm.device)[0] * 0.85
+        else:
+            free = psutil.virtual_memory().available * 0.5
+        return max(1, per_token), int(free)
 
 
 class TargetGroup:
@@ -231,4 +253,112 @@ def _gather(refs: list, timeout_s: float) -> list:
 def _agreed(result):
     """The part of a rank's answer every rank must share (prefill: the first token; rank 0 alone
     returns the prefill cache)."""
+    if isinstance(result, list):
+        return [_agreed(r) for r in result]
     return result[0] if isinstance(result, tuple) else result
+
+
+class TargetBatcher:
+    """Where every request's target work meets (lives in the coordinator, one per target group).
+
+    Request threads hand in their next piece of work (a prefill chunk, a tree to verify, a plain step) and
+    wait for its answer; one thread sends whatever is waiting to the group as one forward pass, so the
+    trees of concurrent requests are verified together. A pass takes work in arrival order up to
+    `max_rows` rows (always at least one item); a prompt goes in chunks of `prefill_chunk` tokens, so a
+    long prefill shares passes with other requests' rounds instead of stalling them.
+    """
+
+    def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int):
+        self.group, self.max_rows, self.prefill_chunk = group, max_rows, prefill_chunk
+        self._waiting: list[tuple[int, Work, _Answer]] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._loop, name="target-batcher", daemon=True).start()
+
+    # -- what request threads call --------------------------------------------------------------------
+    def prefill(self, generation: int, rid: int, prompt: list[int], seed: int, want_prefill_cache: bool,
+                sampling: SamplingParams | None):
+        """(first token, prefill cache or None), the prompt sent in chunks."""
+        for start in range(0, len(prompt), self.prefill_chunk):
+            end = min(len(prompt), start + self.prefill_chunk)
+            out = self.submit(generation, Work(PREFILL, rid, prompt=prompt if start == 0 else None, start=start,
+                                               end=end, want_prefill_cache=want_prefill_cache, seed=seed,
+                                               sampling=sampling))
+        return out
+
+    def verify(self, generation: int, rid: int, tree: DraftTree) -> Verdict:
+        return self.submit(generation, Work(VERIFY, rid, tree=tree))
+
+    def step(self, generation: int, rid: int, token: int) -> int:
+        return self.submit(generation, Work(STEP, rid, token=token))
+
+    def submit(self, generation: int, work: Work):
+        answer = _Answer()
+        with self._wake:
+            self._waiting.append((generation, work, answer))
+            self._wake.notify()
+        return answer.get()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    # -- the batching thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    for _, _, answer in self._waiting:
+                        answer.fail(TargetGroupError("the engine is shutting down"))
+                    return
+                batch = self._take()
+            generation = batch[0][0]
+            try:
+                results = self.group.call(generation, "run", [w for _, w, _ in batch])
+            except Exception as e:  # every request in the pass gets the group's error
+                for _, _, answer in batch:
+                    answer.fail(e)
+            else:
+                for (_, _, answer), result in zip(batch, results):
+                    answer.put(result)
+
+    def _take(self) -> list:
+        """The next pass: waiting work of one group generation, one item per request, up to max_rows rows."""
+        generation = self._waiting[0][0]
+        batch, rest, rows, rids = [], [], 0, set()
+        for entry in self._waiting:
+            g, w, _ = entry
+            fits = not batch or rows + w.rows <= self.max_rows
+            if g == generation and w.rid not in rids and fits:
+                batch.append(entry)
+                rows += w.rows
+                rids.add(w.rid)
+            else:
+                rest.append(entry)
+        self._waiting = rest
+        return batch
+
+
+class _Answer:
+    """A result one thread waits for and another sets."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._value = self._error = None
+
+    def put(self, value) -> None:
+        self._value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def get(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -117,6 +117,7 @@ class TestLlamaTP2:
     def test_concurrent_schedules_equal_single_process_and_greedy(self, engine, pairs):
         pair = pairs["llama"]
         jobs = [(p, m) for p in prompts(1) for m in METHODS]
+        passes, items = engine.target_passes()
         refs = [engine.submit(p, 30, m) for p, m in jobs]  # all in flight at once
         for (p, m), ref in zip(jobs, refs):
             expected = hf_greedy(pair.target, p, 30)
@@ -124,6 +125,8 @@ class TestLlamaTP2:
             got = engine.result(ref)
             assert got.tokens == single.tokens == expected, (m, p)
             assert got.stats.rounds == len(got.stats.accepted) > 0
+        passes, items = (a - b for a, b in zip(engine.target_passes(), (passes, items)))
+        assert items > passes > 0  # requests shared the target's passes
 
     def test_generate_many_with_a_signal_reading_policy(self, engine, pairs):
         pair = pairs["llama"]

@@ -83,3 +83,20 @@ def test_a_new_request_starts_from_the_table_across_requests():
     fresh = sizer.acceptance(tree)
     # The request's own counts weigh more than what it taught the table across requests.
     assert prior[6] < fresh[6] < within[6]
+
+
+def test_load_budget_shrinks_trees_as_requests_share_passes():
+    from treegraft_dist.sizing import LoadBudget
+
+    # A pass costs the same up to 8 rows, then grows with its rows (a memory-bound device, then compute-bound).
+    costs = {1: 100.0, 2: 100.0, 4: 100.0, 8: 100.0, 16: 200.0, 32: 400.0, 64: 800.0}
+    lb = LoadBudget(16, costs, alpha=0.6)
+    assert lb(1) == 16  # alone: the configured budget
+    assert lb(2) == 4  # 2 x 4 rows still ride free
+    assert lb(8) == 1  # 8 one-token steps fill the free rows: plain decoding, batched
+    assert [lb.cost(r) for r in (3, 8, 128)] == [100.0, 100.0, 1600.0]
+    for _ in range(200):  # rounds of 8 nodes that accept 1 + 0.3 * 3 tokens: alpha follows
+        lb.observe(8, 1.9)
+    assert abs(lb.alpha - 0.3) < 0.01
+    with pytest.raises(ValueError):
+        LoadBudget(8, {})

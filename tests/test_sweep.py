@@ -2,83 +2,32 @@
 in a temporary folder) on tiny models: a row for every cell with its verdict, the summaries and charts, a
 second submission that recomputes nothing, one that recomputes exactly a deleted cell; bad grid files."""
 
-import os
-import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from jobs.sweep import CELLS_DIR, load_grid, main
+from localcluster import BIN, head_node
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
 from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.hf import CausalLM
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent  # the venv: `ray` here, and `python` for the job's entrypoint
 QUESTIONS = 2  # per benchmark
 NEW_TOKENS = 10
 OURS = ["all-small", "all-mid", "treegraft"]
 BUDGETS = [4, 16]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(temp: str) -> None:
-    """End this cluster's processes only: those whose command line names its temporary folder, and their
-    children (workers, the job's driver), by pid."""
-    roots = [p for p in psutil.process_iter(["cmdline"])
-             if p.pid != os.getpid() and any(temp in a for a in p.info["cmdline"] or ())]
-    procs = {}
-    for root in roots:
-        try:
-            for p in [root, *root.children(recursive=True)]:
-                procs[p.pid] = p
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs.values():
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=5)
-    for p in alive:
-        p.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """(environment, dashboard address) of a head node on free ports; its job server takes submissions."""
-    temp = tempfile.mkdtemp(prefix="tg-ray-")  # short: Ray's socket paths must fit in 107 bytes
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    dashboard = _free_port()
-    # Every port named: the defaults (the dashboard agent's 52365, the client server's 10001) may be taken
-    # by another Ray instance on this machine, and then the job agent never comes up.
-    ports = [f"--{name}={_free_port()}" for name in (
-        "port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
-    try:
-        subprocess.run([str(BIN / "ray"), "start", "--head", *ports, "--num-cpus", "2", "--include-dashboard=true",
-                        "--dashboard-host", "127.0.0.1", f"--dashboard-port={dashboard}", "--temp-dir", temp,
-                        "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
-        yield env, f"http://127.0.0.1:{dashboard}"
-    finally:
-        _stop(temp)
-        shutil.rmtree(temp, ignore_errors=True)
+    with head_node(dashboard=True) as (env, _, dashboard, _):
+        yield env, dashboard
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`treegraft` command line: generate, eval, summary, collect, fit, project, prepare-models."""
+"""`treegraft` command line: generate, eval, summary, collect, fit, project, serve, prepare-models."""
 
 from __future__ import annotations
 
@@ -67,25 +67,27 @@ def tree_config(args) -> TreeConfig:
                       long_chain=args.long_chain)
 
 
-def resolve_pair(args, need_middle: bool) -> tuple[str, object, str | None, object]:
-    """(target source, tokenizer, middle source or None, tokenizer): embedded names prepared on demand,
-    tokenizers compared before any weights are loaded."""
-    if need_middle and args.middle.lower() != "none":
-        prepare_missing([args.target, args.middle], args.cache_dir)  # both side by side where both are to build
-    t_src = resolve_model_path(args.target, args.cache_dir)
+def resolve_pair(target: str, middle: str | None, cache_dir: str | None) -> tuple[str, object, str | None, object]:
+    """(target source, tokenizer, middle source or None, tokenizer) for model names as the user gives them
+    (`middle` None or "none": no middle drafter): embedded names prepared on demand, tokenizers compared
+    before any weights are loaded."""
+    middle = None if middle is None or middle.lower() == "none" else middle
+    if middle is not None:
+        prepare_missing([target, middle], cache_dir)  # both side by side where both are to build
+    t_src = resolve_model_path(target, cache_dir)
     t_tok = load_tokenizer(t_src)
-    if not need_middle or args.middle.lower() == "none":
+    if middle is None:
         return t_src, t_tok, None, None
-    m_src = resolve_model_path(args.middle, args.cache_dir)
+    m_src = resolve_model_path(middle, cache_dir)
     m_tok = load_tokenizer(m_src)
-    check_tokenizers(t_tok, m_tok, args.target, args.middle)
+    check_tokenizers(t_tok, m_tok, target, middle)
     return t_src, t_tok, m_src, m_tok
 
 
 def load_pair(args, need_middle: bool):
     """(target, middle or None) as LoadedModels; with --distributed only tokenizers and configs are
     loaded here (the weights load in the actors)."""
-    t_src, t_tok, m_src, m_tok = resolve_pair(args, need_middle)
+    t_src, t_tok, m_src, m_tok = resolve_pair(args.target, args.middle if need_middle else None, args.cache_dir)
     if args.dtype == "auto":
         print(f"treegraft: {precision.describe(pick_device(args.device))}", file=sys.stderr)
     if getattr(args, "distributed", False):
@@ -107,13 +109,10 @@ def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cf
                        sampling: SamplingParams):
     """A DistributedEngine on a local Ray cluster (or --address); on CPU the actors share the cores and
     ask for no GPUs."""
-    from actors import DistributedEngine, Resources
+    from actors import DistributedEngine
+    from actors.resources import for_device
 
-    if pick_device(args.device).type == "cuda":
-        res = Resources(tp=args.tp, device="cuda")
-    else:
-        res = Resources(tp=args.tp, device="cpu", target_gpus=0, middle_gpus=0, target_cpus=0.25, middle_cpus=0.25,
-                        ngram_cpus=0.1, coordinator_cpus=0.1)
+    res = for_device(pick_device(args.device).type, args.tp)
     return DistributedEngine(target.source, middle.source if middle else None, cfg, res, args.address, sampling,
                              args.dtype)
 
@@ -268,7 +267,7 @@ def cmd_collect(args) -> int:
     benchmarks = tuple(b for b in (args.benchmarks or ",".join(COLLECT_BENCHMARKS)).split(",") if b)
     if args.middle.lower() == "none":
         raise UsageError("collect builds trees with the middle drafter: give --middle")
-    t_src, _, m_src, _ = resolve_pair(args, need_middle=True)
+    t_src, _, m_src, _ = resolve_pair(args.target, args.middle, args.cache_dir)
     cfg = CollectConfig(t_src, m_src, (args.target, args.middle), Path(args.out), benchmarks,
                         args.prompts_per_benchmark, args.first_question, args.max_new_tokens, tree, args.device,
                         args.dtype, args.actors, args.cpus_per_actor, args.gpus_per_actor, args.threads,
@@ -329,6 +328,14 @@ def cmd_project(args) -> int:
     print(projection.markdown)
     print("\n" + "\n".join(str(f) for f in projection.files))
     return 0
+
+
+def cmd_serve(args) -> int:
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    from jobs.serve import run_local
+
+    return run_local(args)
 
 
 def cmd_prepare(args) -> int:
@@ -422,6 +429,25 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--seed", type=int, default=0, help="seed of the scheduler fit (default %(default)s)")
     j.add_argument("--out", default="out/project", help="folder for projection.md, .csv, charts and the fitted schedulers")
     j.set_defaults(func=cmd_project)
+
+    v = sub.add_parser("serve", help="the OpenAI-compatible Ray Serve application, locally (serve.yaml: on a cluster)")
+    v.add_argument("--target", default=DEFAULT_TARGET, help="target model: folder, hub id or embedded name (default: %(default)s)")
+    v.add_argument("--middle", default=DEFAULT_MIDDLE, help="middle drafter (default: %(default)s); 'none' for n-gram only")
+    v.add_argument("--model-name", default=None, help="the name clients ask for (default: the target's folder name)")
+    v.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    v.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    v.add_argument("--device", default="auto", help="cpu or cuda (default: cuda when the cluster has the GPUs)")
+    v.add_argument("--dtype", default="auto")
+    v.add_argument("--method", default="treegraft", help="default decoding method; a request's \"method\" overrides it")
+    v.add_argument("--scheduler", default=None, metavar="PATH", help="scheduler artifact for the method treegraft")
+    v.add_argument("--budget", type=int, default=None, help="nodes verified per round")
+    v.add_argument("--max-requests", type=int, default=8, help="requests decoded at once (default %(default)s)")
+    v.add_argument("--max-queued", type=int, default=64, help="requests that may wait; more get 429 (default %(default)s)")
+    v.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none")
+    v.add_argument("--cache-dir", default=None)
+    v.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
     p.add_argument("--cache-dir", default=None)

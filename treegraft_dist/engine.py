@@ -235,8 +235,9 @@ def speculate(
     verify: Callable[[DraftTree], Verdict], timer: PhaseTimer, stats: RequestStats,
     context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
     max_new: int, eos: set[int], *, sizer: TreeSizer | None = None, probe_budgets: tuple[int, ...] = (),
-    on_tokens: Callable[[int], None] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
     draft: Callable[[int, tuple[int, ...]], tuple[DraftTree, list[bool]]] | None = None,
+    budget: Callable[[], int] | None = None,
 ) -> list[int]:
     """The rounds of one request after its prefill, the same whether its parts run in this process or as
     actors: draft a tree, prune it to the budget (or let `sizer` choose it), verify it with `verify`, and
@@ -244,16 +245,20 @@ def speculate(
     `first` included (finish truncates them).
 
     A middle drafter whose `alive` is False is left out of later rounds; one that answered some steps with
-    n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(n)` is
-    told the count after each round. `draft(root, budgets) -> (tree, calls)` drafts a round in the
-    caller's own way (the coordinator: n-gram layers on the n-gram actor); by default `draft_tree` here."""
+    n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(out)` is
+    shown the tokens so far (before truncation) at the start and after each round; when it returns True
+    the request ends there (a client went away, a stop string was met). `draft(root, budgets) -> (tree, calls)` drafts a round in the
+    caller's own way (the coordinator: n-gram layers on the n-gram actor); by default `draft_tree` here.
+    `budget()`, when given, is each round's tree size instead of cfg.budget (the coordinator's, under load)."""
     out = [first]
+    stop = on_tokens is not None and on_tokens(out)
     if sizer is not None:
         sizer.start_request()
-    while len(out) < max_new and out[-1] not in eos:
+    while len(out) < max_new and out[-1] not in eos and not stop:
         fell_back = getattr(middle, "fallback_steps", 0)
         # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
-        settle = () if sizer is not None else (cfg.budget,) + probe_budgets
+        keep = cfg.budget if budget is None else budget()
+        settle = () if sizer is not None else (keep,) + probe_budgets
         started = time.perf_counter()
         if draft is None:
             live = middle if middle is not None and getattr(middle, "alive", True) else None
@@ -261,7 +266,7 @@ def speculate(
         else:
             tree, calls = draft(out[-1], settle)
         if sizer is None:
-            pruned, kept = tree.prune(cfg.budget)
+            pruned, kept = tree.prune(keep)
         else:
             pruned, kept, _ = sizer.choose(tree)
             sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
@@ -281,8 +286,7 @@ def speculate(
             # The target's greedy continuation is known as far as this round accepted it.
             hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
             stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
-        if on_tokens is not None:
-            on_tokens(len(out))
+        stop = on_tokens is not None and on_tokens(out)
     return out
 
 
@@ -296,10 +300,11 @@ def finish(out: list[int], stats: RequestStats, timer: PhaseTimer, max_new: int,
 
 
 def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt: list[int], max_new: int,
-                 eos: set[int], on_token: Callable[[int], None] | None = None,
+                 eos: set[int], on_tokens: Callable[[list[int]], bool | None] | None = None,
                  device: torch.device | None = None) -> Generation:
     """The autoregressive baseline over any target: `prefill(prompt)` gives the first token, `step(token)`
-    the next one; `on_token(count)` is told the progress; `device`: the target's, when in this process."""
+    the next one; `on_tokens(out)` is shown the tokens after each one and ends the request by returning True;
+    `device`: the target's, when in this process."""
     stats = RequestStats(AR_METHOD, prompt_tokens=len(prompt))
     timer = PhaseTimer(stats, device)
     out: list[int] = []
@@ -307,12 +312,12 @@ def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int]
         with timer.phase("prefill"):
             tok = prefill(prompt)
         out.append(tok)
+        stop = on_tokens is not None and on_tokens(out)
         with timer.phase("verify"):
-            while len(out) < max_new and tok not in eos:
+            while len(out) < max_new and tok not in eos and not stop:
                 tok = step(tok)
                 out.append(tok)
-                if on_token is not None:
-                    on_token(len(out))
+                stop = on_tokens is not None and on_tokens(out)
                 stats.accepted.append(1)
                 stats.tree_sizes.append(1)
                 stats.middle_calls.append(0)

@@ -138,3 +138,49 @@ class TreeSizer:
         for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
             np.add.at(trials, cells, 1.0)
             np.add.at(hits, cells, hit)
+
+
+class LoadBudget:
+    """Each round's tree size when several requests share every target pass (batched verification).
+
+    Alone, a request verifies `budget` nodes a round. When `active` requests' trees go in one pass, the pass
+    costs what a tree of all their rows costs, so large trees that pay alone can lose to plain decoding
+    under load. Per round this picks the size b <= budget (powers of two, and the budget itself) that
+    gives the most tokens per millisecond over all of them, active * acc(b) / cost(active * b), with
+      cost(rows)  the target pass's measured milliseconds (`costs`), interpolated between sizes;
+      acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
+                  size; alpha is learned online from the rounds (`observe`), starting at `alpha`.
+    b = 1 is a plain decoding step (drafting stops at once), so under heavy load speculation degrades to
+    batched plain decoding instead of losing to it. With one request active the budget stands.
+    """
+
+    def __init__(self, budget: int, costs: dict[int, float], alpha: float = 0.5, smoothing: float = 0.05):
+        if not costs:
+            raise ValueError("LoadBudget needs measured pass costs")
+        self.budget, self.alpha, self.smoothing = budget, alpha, smoothing
+        self.sizes = np.array(sorted(costs), dtype=np.float64)
+        self.ms = np.array([costs[k] for k in sorted(costs)], dtype=np.float64)
+        b, self.candidates = 1, []
+        while b < budget:
+            self.candidates.append(b)
+            b *= 2
+        self.candidates.append(budget)
+
+    def cost(self, rows: float) -> float:
+        """Milliseconds of a pass of `rows` rows: interpolated, extrapolated linearly past the largest."""
+        if rows <= self.sizes[-1] or len(self.sizes) == 1:
+            return float(np.interp(rows, self.sizes, self.ms))
+        slope = (self.ms[-1] - self.ms[-2]) / (self.sizes[-1] - self.sizes[-2])
+        return float(self.ms[-1] + slope * (rows - self.sizes[-1]))
+
+    def observe(self, size: int, accepted: int) -> None:
+        """A round verified `size` nodes and accepted `accepted` tokens (bonus included)."""
+        if size > 1:
+            seen = (accepted - 1) / np.log2(size)
+            self.alpha += self.smoothing * (seen - self.alpha)
+
+    def __call__(self, active: int) -> int:
+        if active <= 1:
+            return self.budget
+        gain = [active * (1 + self.alpha * np.log2(b)) / self.cost(active * b) for b in self.candidates]
+        return self.candidates[int(np.argmax(gain))]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from .hf import CausalLM, cache_len, compact_cache
 from .ngram import PrefillCache
@@ -39,44 +40,118 @@ def tree_attention(
     return torch.from_numpy(tree.ancestor_mask()), torch.from_numpy(tree.depths[:n] + past)
 
 
+@dataclass
+class Block:
+    """One request's rows in a target pass: the tokens it appends to its KV cache, their positions, and
+    which of them each row sees (every row sees the request's whole cache)."""
+
+    cache: DynamicCache
+    ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    attend: torch.Tensor | None  # [n, n] bool; None = causal
+
+
+def forward_blocks(lm: CausalLM, blocks: list[Block]) -> list[torch.Tensor]:  # [n_b, hidden] per block
+    """One target pass over several requests' blocks, each over its own KV cache: the caches are laid end
+    to end and the mask is block-diagonal, so every row sees its own request's cache and block only. Each
+    cache then holds its block's keys and values, as if its block had run alone."""
+    if len(blocks) == 1:
+        b = blocks[0]
+        return [lm.hidden(b.cache, b.ids, b.positions, b.attend)]
+    lens = [cache_len(b.cache) for b in blocks]
+    sizes = [len(b.ids) for b in blocks]
+    past, n = sum(lens), sum(sizes)
+    attend = torch.zeros((n, past + n), dtype=torch.bool)
+    col = row = 0
+    for b, length, m in zip(blocks, lens, sizes):
+        attend[row : row + m, col : col + length] = True
+        own = b.attend if b.attend is not None else torch.ones((m, m), dtype=torch.bool).tril_()
+        attend[row : row + m, past + row : past + row + m] = own
+        col, row = col + length, row + m
+    joint = lm.new_cache()
+    for i in range(len(joint.layers)):
+        parts = [b.cache.layers[i] for b in blocks if b.cache.layers[i].is_initialized]
+        if parts:
+            joint.update(torch.cat([layer.keys for layer in parts], dim=-2),
+                         torch.cat([layer.values for layer in parts], dim=-2), i)
+    h = lm.hidden(joint, torch.cat([b.ids for b in blocks]), torch.cat([b.positions for b in blocks]), attend)
+    row = past
+    for b, m in zip(blocks, sizes):
+        for i, layer in enumerate(joint.layers):
+            b.cache.update(layer.keys[..., row : row + m, :], layer.values[..., row : row + m, :], i)
+        row += m
+    return list(torch.split(h, sizes))
+
+
 class TargetVerifier:
-    """Holds the target's KV cache (always the context minus its last token, the next root)."""
+    """Holds the target's KV cache (always the context minus its last token, the next root).
+
+    Each kind of pass comes in two halves, so that several requests' passes can run as one
+    (`forward_blocks`): `*_block` gives the rows to run, `*_done` reads the result."""
 
     def __init__(self, lm: CausalLM, sampling: SamplingParams, generator: torch.Generator | None = None):
         self.lm = lm
         self.sampling = sampling
         self.generator = generator
         self.cache = lm.new_cache()
+        self._prefill_rows: list = []  # a chunked prefill's top-k rows so far
 
+    # -- one request at a time ------------------------------------------------------------------------
     def prefill(self, prompt: list[int], want_prefill_cache: bool = True) -> tuple[int, PrefillCache | None]:
         """Process the prompt; return the first generated token and the top-k prefill cache."""
-        self.cache = self.lm.new_cache()
-        ids = torch.tensor(prompt, dtype=torch.int64)
-        h = self.lm.hidden(self.cache, ids, torch.arange(len(prompt)))
-        first = next_token(self.lm.logits(h[-1:])[0], self.sampling, self.generator)
-        if not want_prefill_cache:
-            return first, None
-        # A drafting aid: over the target's draft vocabulary (CausalLM.top_logprobs), not the whole one.
-        _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK,
-                                                   extra=self.lm.outside_draft_vocab(prompt))
-        return first, PrefillCache(tokens, logprobs)
+        block = self.prefill_block(prompt, 0, len(prompt))
+        return self.prefill_done(forward_blocks(self.lm, [block])[0], prompt, 0, want_prefill_cache)
 
     def step(self, token: int) -> int:
         """Plain decoding: feed one token, return the next (the autoregressive baseline)."""
-        past = cache_len(self.cache)
-        h = self.lm.hidden(self.cache, torch.tensor([token]), torch.tensor([past]))
-        return next_token(self.lm.logits(h)[0], self.sampling, self.generator)
+        return self.step_done(forward_blocks(self.lm, [self.step_block(token)])[0])
 
     def verify(self, tree: DraftTree) -> Verdict:
         """One target pass over the pruned tree; keeps the KV entries of the accepted path only."""
+        return self.verify_done(tree, forward_blocks(self.lm, [self.verify_block(tree)])[0])
+
+    # -- the halves -----------------------------------------------------------------------------------
+    def prefill_block(self, prompt: list[int], start: int, end: int) -> Block:
+        """Prompt positions [start, end); the first chunk (start 0) starts a new cache."""
+        if start == 0:
+            self.cache = self.lm.new_cache()
+            self._prefill_rows = []
+        return Block(self.cache, torch.tensor(prompt[start:end], dtype=torch.int64), torch.arange(start, end), None)
+
+    def prefill_done(self, h: torch.Tensor, prompt: list[int], start: int,
+                     want_prefill_cache: bool) -> tuple[int, PrefillCache | None] | None:
+        """After a chunk's pass: None until the last chunk, then (first token, prefill cache or None)."""
+        end = start + len(h)
+        if want_prefill_cache:  # a drafting aid: over the target's draft vocabulary, not the whole one
+            _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK,
+                                                       extra=self.lm.outside_draft_vocab(prompt))
+            self._prefill_rows.append((tokens, logprobs))
+        if end < len(prompt):
+            return None
+        first = next_token(self.lm.logits(h[-1:])[0], self.sampling, self.generator)
+        rows, self._prefill_rows = self._prefill_rows, []
+        if not want_prefill_cache:
+            return first, None
+        return first, PrefillCache(np.concatenate([t for t, _ in rows]), np.concatenate([lp for _, lp in rows]))
+
+    def step_block(self, token: int) -> Block:
         past = cache_len(self.cache)
-        attend, positions = tree_attention(tree, past)
-        h = self.lm.hidden(self.cache, torch.from_numpy(tree.token_list().copy()), positions, attend)
+        return Block(self.cache, torch.tensor([token]), torch.tensor([past]), None)
+
+    def step_done(self, h: torch.Tensor) -> int:
+        return next_token(self.lm.logits(h)[0], self.sampling, self.generator)
+
+    def verify_block(self, tree: DraftTree) -> Block:
+        attend, positions = tree_attention(tree, cache_len(self.cache))
+        return Block(self.cache, torch.from_numpy(tree.token_list().copy()), positions, attend)
+
+    def verify_done(self, tree: DraftTree, h: torch.Tensor) -> Verdict:
         logits = self.lm.logits(h)
         if self.sampling.greedy:
             verdict = _accept_greedy(tree, torch.argmax(logits, dim=-1).tolist())
         else:
             verdict = _accept_sampled(tree, target_probs(logits, self.sampling), self.generator)
+        past = cache_len(self.cache) - tree.size
         slots = torch.tensor([past] + [past + i for i in verdict.accepted], dtype=torch.int64)
         compact_cache(self.cache, past, slots)
         return verdict

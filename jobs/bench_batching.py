@@ -1,0 +1,138 @@
+"""Batched verification across requests: throughput and latency at 1, 4, 8 and 16 requests in flight, with
+speculation on and off, on one distributed engine, side by side in one run.
+
+  .venv/bin/python jobs/bench_batching.py [--pair embedded|tiny] [--tokens 32] [--concurrency 1,4,8,16]
+        [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto]
+
+`ar` is the same engine with speculation off (its steps are batched across requests too, so it is the
+fastest plain decoding this engine does under load). `@fixed` runs a method without the load-adapted budget
+(Resources.adapt_budget=False), to show what the adaptation buys. Each cell: total generated tokens per
+second over all requests, and per-request latency (submit to result; mean and 90th percentile). Every
+output is compared with `ar`'s at the same concurrency and prompt: `exact` or, in bf16, a near-tie of the
+target's logits is what lossless decoding may give; the count of differing outputs is printed per cell.
+Requests are benchmark prompts (chat-formatted first turns, spread over the six benchmarks).
+Prints a Markdown table; `--out FILE.parquet` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from actors.engine import DistributedEngine  # noqa: E402
+from actors.resources import for_device  # noqa: E402
+from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
+from treegraft_dist.config import TreeConfig  # noqa: E402
+
+
+def pair_paths(kind: str, folder: str):
+    """(target folder, middle folder, tokenizer)."""
+    if kind == "embedded":
+        from treegraft_dist.models import load_tokenizer
+        from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
+
+        t, m = str(prepare_model(DEFAULT_TARGET)), str(prepare_model(DEFAULT_MIDDLE))
+        return t, m, load_tokenizer(t)
+    from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
+
+    model, tok = tiny_model("llama", init=0.4), char_tokenizer()
+    return (save_tiny(Path(folder) / "t", model, tok), save_tiny(Path(folder) / "m", perturbed_copy(model, 0.2, 1), tok),
+            tok)
+
+
+def bench_prompts(tok, n: int) -> list[list[int]]:
+    qs = [q for i in range(n) for q in [builtin(BENCHMARKS[i % len(BENCHMARKS)])[i // len(BENCHMARKS)]]]
+    return [chat_prompt(tok, [q.turns[0]], []) for q in qs]
+
+
+def run_cell(engine, prompts, tokens, method, eos):
+    t0 = time.perf_counter()
+    refs = [engine.submit(p, tokens, method, eos) for p in prompts]
+    outs, lat = [], []
+    pending = dict(zip([r for r in refs], range(len(refs))))
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        i = pending.pop(done[0])
+        outs.append((i, engine.result(done[0])))
+        lat.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    outs.sort(key=lambda x: x[0])
+    gens = [g for _, g in outs]
+    n = sum(len(g.tokens) for g in gens)
+    return gens, n / wall, statistics.mean(lat), sorted(lat)[max(0, int(0.9 * len(lat)) - 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", choices=("tiny", "embedded"), default="embedded")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--methods", default="ar,all-small,all-small@fixed,01001")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--budget", type=int, default=TreeConfig().budget)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
+    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        t_path, m_path, tok = pair_paths(args.pair, d)
+        eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
+        prompts = bench_prompts(tok, max(levels))
+        tree = TreeConfig(budget=args.budget)
+        engines = {}
+        for adapt in sorted({not m.endswith("@fixed") for m in methods}):
+            res = for_device("cpu", 1, torch_threads=2, max_requests=max(levels), adapt_budget=adapt)
+            engines[adapt] = DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype)
+        try:
+            for eng in engines.values():  # warm-up: kernels, the pass-cost profile
+                run_cell(eng, prompts[:2], 4, "all-small", eos)
+            for c in levels:
+                ref = None
+                for m in methods:
+                    name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
+                    gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, name, eos)
+                    if name == "ar":
+                        ref = gens
+                    differ = sum(g.tokens != r.tokens for g, r in zip(gens, ref)) if ref else None
+                    acc = statistics.mean(g.stats.mean_accepted for g in gens)
+                    rows.append(dict(concurrency=c, method=m, tokens_per_s=tput, mean_latency_s=mean_lat,
+                                     p90_latency_s=p90, accepted_per_round=acc, differ=differ))
+                    print(f"  {c:>2} requests {m:>16}: {tput:6.1f} tok/s, latency mean {mean_lat:5.1f} s "
+                          f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, differ from ar: {differ}", flush=True)
+        finally:
+            for eng in engines.values():
+                eng.shutdown()
+    print(f"\n{args.pair} pair, {args.tokens} new tokens per request, dtype {args.dtype}, budget {args.budget}, "
+          f"2 torch threads, {torch.get_num_threads()} cores seen\n")
+    print("| requests | method | tokens/s (all) | vs ar | mean latency s | p90 latency s | tokens/round | outputs differing from ar |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    for r in rows:
+        ratio = r["tokens_per_s"] / base[r["concurrency"]] if r["concurrency"] in base else float("nan")
+        print(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {r['mean_latency_s']:.1f} "
+              f"| {r['p90_latency_s']:.1f} | {r['accepted_per_round']:.2f} | {r['differ']} |")
+    if args.out:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from treegraft_dist.files import replacing
+
+        with replacing(args.out) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

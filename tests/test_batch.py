@@ -1,0 +1,104 @@
+"""Several requests in one target pass (batch.py, verify.forward_blocks): block-diagonal masks over caches
+laid end to end give every request what it gets alone: the same verdicts and tokens (the target's own
+greedy decoding), the same KV caches, whatever mix of prompt chunks, tree verifications and plain steps
+shares a pass."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import VOCAB, hf_greedy, tiny_pair
+from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work
+from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.verify import TargetVerifier, forward_blocks
+
+
+def chain_tree(root: int, tokens: list[int], wrong_sibling: int | None = None) -> DraftTree:
+    """root -> tokens[0] -> tokens[1] ...; optionally a wrong sibling beside tokens[0]."""
+    tree = DraftTree(root)
+    if tokens:
+        n = len(tokens)
+        parents = np.concatenate([[0], 1 + np.arange(n - 1)]).astype(np.int64)
+        tree.graft(Proposal(1, parents, np.array(tokens), -np.arange(1, n + 1, dtype=np.float64), ORIGIN_NGRAM), 1)
+    if wrong_sibling is not None:
+        tree.graft(Proposal(tree.size, np.array([0]), np.array([wrong_sibling]), np.array([-9.0]), ORIGIN_NGRAM), 2)
+    return tree
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_mixed_passes_equal_each_request_alone(arch):
+    target, _ = tiny_pair(arch)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 13, 1)]
+    new = 24
+    oracle = [hf_greedy(target, p, new) for p in prompts]
+    batch = BatchedTarget(target, SamplingParams())
+    chunk = 8
+    state = [{"next": 0, "out": [], "done": False} for _ in prompts]
+    passes = 0
+    while not all(s["done"] for s in state):
+        items = []
+        for rid, (p, s) in enumerate(zip(prompts, state)):
+            if s["done"] or (rid == 3 and passes < 3):  # the last request arrives late: its prefill joins rounds
+                continue
+            if s["next"] < len(p):
+                end = min(len(p), s["next"] + chunk)
+                items.append(Work(PREFILL, rid, prompt=p if s["next"] == 0 else None, start=s["next"], end=end))
+                s["next"] = end
+            elif rid % 2 == 0:  # plain steps
+                items.append(Work(STEP, rid, token=s["out"][-1]))
+            else:  # a tree: the right continuation up to a random depth, then a wrong token
+                done = len(s["out"])
+                truth = oracle[rid][done:done + rng.randrange(0, 4)]
+                wrong = (oracle[rid][done + len(truth)] + 1) % VOCAB if done + len(truth) < new else None
+                tokens = truth + ([wrong] if wrong is not None and rng.random() < 0.5 else [])
+                sibling = None if not truth else (truth[0] + 2) % VOCAB
+                items.append(Work(VERIFY, rid, tree=chain_tree(s["out"][-1], tokens, sibling)))
+        rng.shuffle(items)
+        for w, result in zip(items, batch.run(items)):
+            s = state[w.rid]
+            if w.kind == PREFILL:
+                if result is not None:
+                    first, cache = result
+                    assert cache.tokens.shape == (len(prompts[w.rid]), 10)
+                    s["out"].append(first)
+            elif w.kind == STEP:
+                s["out"].append(result)
+            else:
+                s["out"].extend(result.tokens)
+            s["done"] = len(s["out"]) >= new
+        passes += 1
+    assert batch.passes == passes and batch.items > passes  # passes were shared
+    for rid, s in enumerate(state):
+        assert s["out"][:new] == oracle[rid], rid
+
+
+def test_a_shared_pass_leaves_each_cache_as_a_lone_pass_would():
+    target, _ = tiny_pair("llama")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 17, 9)]
+    alone, together = [], []
+    for group in (alone, together):
+        for p in prompts:
+            v = TargetVerifier(target, SamplingParams())
+            v.prefill(p)
+            group.append(v)
+    trees = [chain_tree(3, [4, 5]), chain_tree(6, []), chain_tree(7, [8, 9, 10], 11)]
+    lone = [forward_blocks(target, [v.verify_block(t)])[0] for v, t in zip(alone, trees)]
+    shared = forward_blocks(target, [v.verify_block(t) for v, t in zip(together, trees)])
+    for a, b, va, vb in zip(lone, shared, alone, together):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for la, lb in zip(va.cache.layers, vb.cache.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+
+
+def test_one_item_per_request_in_a_pass():
+    target, _ = tiny_pair("llama")
+    batch = BatchedTarget(target, SamplingParams())
+    batch.run([Work(PREFILL, 0, prompt=[1, 2, 3], start=0, end=3)])
+    with pytest.raises(ValueError, match="one item per request"):
+        batch.run([Work(STEP, 0, token=1), Work(STEP, 0, token=2)])

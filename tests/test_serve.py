@@ -1,0 +1,275 @@
+"""The OpenAI-compatible server: a real `serve run` of the repository's serve.yaml (its args pointed at a tiny
+pair) on a local cluster (`ray start --head`), driven by the official `openai` client. Completions and chat,
+streamed and not, equal the target's own greedy decoding; bad requests get the right status and error body;
+32 concurrent streaming clients all get their whole, correct output; a full queue answers 429 with
+Retry-After; a client that leaves stops its request; Prometheus metrics count it all."""
+
+import asyncio
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from localcluster import BIN, free_port, head_node
+from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
+from treegraft_dist.hf import CausalLM
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny-serve"
+MAX_REQUESTS, MAX_QUEUED = 4, 30
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", init=0.4)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, target):
+    """(base URL, tokenizer) of `serve run` on serve.yaml with a tiny pair; the log is shown on failure."""
+    root = tmp_path_factory.mktemp("serve")
+    tok = char_tokenizer()
+    t_dir = save_tiny(root / "target", target, tok)
+    m_dir = save_tiny(root / "middle", perturbed_copy(target, 0.2, 1), tok)
+    config = yaml.safe_load((REPO / "serve.yaml").read_text())
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app = config["applications"][0]
+    app["args"] = {**app["args"], "target": t_dir, "middle": m_dir, "model_name": NAME, "device": "cpu",
+                   "dtype": "float32", "max_requests": MAX_REQUESTS, "max_queued": MAX_QUEUED, "max_tokens": 16}
+    path = root / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = root / "serve.log"
+    with head_node(dashboard=False) as (env, gcs, _, _):
+        proc = subprocess.Popen([str(BIN / "serve"), "run", str(path), "--address", gcs], cwd=REPO, env=env,
+                                stdout=log.open("w"), stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, log.read_text()[-6000:]
+                assert time.monotonic() < deadline, log.read_text()[-6000:]
+                try:
+                    if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            yield base, tok, log
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def oracle(target, ids: list[int], n: int) -> list[int]:
+    return hf_greedy(CausalLM(target), ids, n)
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+def spec(resp) -> dict:
+    return resp.model_extra["metrics"]["speculative_decoding"]
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+@pytest.mark.parametrize("method", [None, "ar", "all-mid", "01001"])
+def test_completion_equals_plain_decoding(client, server, target, method):
+    tok = server[1]
+    prompt = "def add(a, b):"
+    want = oracle(target, tok(prompt)["input_ids"], 14)
+    extra = {} if method is None else {"method": method}
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=14, temperature=0, extra_body=extra)
+    assert resp.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert resp.choices[0].finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt), 14)
+    s = spec(resp)
+    assert s["method"] == (method or "treegraft")
+    assert s["rounds"] >= 1 and s["mean_accepted_tokens"] >= 1
+    if method == "ar":
+        assert (s["rounds"], s["draft_tokens"], s["middle_calls"]) == (13, 0, 0)
+    else:
+        assert s["draft_tokens"] > 0 and 0 <= s["accepted_draft_tokens"] <= s["draft_tokens"]
+    if method == "all-mid":
+        assert s["middle_calls"] > 0
+
+
+def test_streamed_completion_with_usage(client, server, target):
+    tok = server[1]
+    prompt = "The quick brown fox"
+    want = tok.decode(oracle(target, tok(prompt)["input_ids"], 15), skip_special_tokens=True)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=15, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # streamed, not one lump
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 15
+    assert spec(last)["method"] == "treegraft"
+
+
+def test_chat_equals_plain_decoding_streamed_and_not(client, server, target):
+    tok = server[1]
+    question = "What is two plus two?"
+    want = tok.decode(oracle(target, chat_ids(tok, question), 12), skip_special_tokens=True)
+    messages = [{"role": "user", "content": question}]
+    resp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert resp.choices[0].message.role == "assistant" and resp.choices[0].message.content == want
+    assert resp.usage.prompt_tokens == len(chat_ids(tok, question))
+    assert spec(resp)["draft_tokens"] > 0
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"method": "all-small"}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_and_sampling_is_seeded(client, server, target):
+    tok = server[1]
+    prompt = "Once upon a time"
+    full = tok.decode(oracle(target, tok(prompt)["input_ids"], 16), skip_special_tokens=True)
+    stop = full[6:8]
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "@@"],
+                                         stream=stream)
+        if stream:
+            chunks = list(resp)
+            assert "".join(c.choices[0].text for c in chunks) == cut
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            assert (resp.choices[0].text, resp.choices[0].finish_reason) == (cut, "stop")
+    sampled = [client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0.9, top_p=0.9,
+                                         seed=seed, extra_body={"top_k": 20}).choices[0].text for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2] and len(sampled[0]) > 0
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"prompt": ""}, 400, "prompt", None),
+    ({"prompt": "x" * 600}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", None),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"prompt": "hi", "n": 2}, 400, "n", None),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"prompt": "hi", "method": "fastest"}, 400, "method", None),
+    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs", "unsupported_parameter"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param, code):
+    resp = httpx.post(server[0] + "/v1/completions", json={"model": NAME, **body}, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["param"], err["code"]) == (param, code)
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_bad_chat_and_bodies(server, client):
+    for body in ({"messages": []}, {"messages": [{"role": "robot", "content": "hi"}]},
+                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}):
+        resp = httpx.post(server[0] + "/v1/chat/completions", json={"model": NAME, **body}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
+    resp = httpx.post(server[0] + "/v1/completions", content=b"{not json", timeout=30,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "y" * 700}])
+
+
+def test_32_concurrent_streaming_clients(server, target):
+    tok = server[1]
+    prompts = [f"Request {i}: count to {i % 7}" for i in range(32)]
+    methods = ["treegraft", "all-small", "ar", "all-mid"]
+
+    async def one(aclient, i):
+        stream = await aclient.completions.create(model=NAME, prompt=prompts[i], max_tokens=12, temperature=0,
+                                                  stream=True, extra_body={"method": methods[i % 4]})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0,
+                                      timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    texts = asyncio.run(run_all())
+    for p, text in zip(prompts, texts):
+        assert text == tok.decode(oracle(target, tok(p)["input_ids"], 12), skip_special_tokens=True), p
+
+
+def test_a_full_queue_answers_429_and_the_rest_are_served(server, target):
+    tok = server[1]
+    n, tokens = MAX_REQUESTS + MAX_QUEUED + 8, 300
+    want = tok.decode(oracle(target, tok("z")["input_ids"], tokens), skip_special_tokens=True)
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=server[0], timeout=600) as http:
+            body = {"model": NAME, "prompt": "z", "max_tokens": tokens, "temperature": 0, "method": "ar"}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(n)))
+
+    answers = asyncio.run(run_all())
+    full = [a for a in answers if a.status_code == 429]
+    served = [a for a in answers if a.status_code == 200]
+    assert len(full) + len(served) == n and len(served) >= MAX_REQUESTS + MAX_QUEUED and full
+    for a in full:
+        assert int(a.headers["Retry-After"]) >= 1 and a.json()["error"]["code"] == "queue_full"
+    assert all(a.json()["choices"][0]["text"] == want for a in served)
+
+
+def test_a_client_that_leaves_stops_its_request(server):
+    base = server[0]
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True, "method": "ar"}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while httpx.get(base + "/health", timeout=10).json()["active"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(base + "/health", timeout=10).json()["active"] == 0
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert _value(metrics, 'treegraft_requests_total{endpoint="completions",outcome="cancelled"}') >= 1
+
+
+def test_prometheus_metrics(server, client):
+    client.completions.create(model=NAME, prompt="metrics", max_tokens=8, temperature=0, extra_body={"method": "all-mid"})
+    text = httpx.get(server[0] + "/metrics", timeout=10).text
+    assert _value(text, 'treegraft_requests_total{endpoint="completions",outcome="ok"}') >= 1
+    assert _value(text, 'treegraft_requests_total{endpoint="completions",outcome="bad_request"}') >= 1
+    assert _value(text, 'treegraft_drafts_total{method="all-mid"}') >= 1
+    assert _value(text, 'treegraft_draft_tokens_total{method="all-mid"}') >= _value(
+        text, 'treegraft_accepted_tokens_total{method="all-mid"}')
+    assert _value(text, 'treegraft_middle_calls_total{method="all-mid"}') >= 1
+    assert _value(text, "treegraft_time_to_first_token_seconds_count") >= 1
+    assert _value(text, "treegraft_inter_token_latency_seconds_count") >= 7
+
+
+def _value(text: str, series: str) -> float:
+    m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
+    assert m, f"{series} not in the metrics:\n{text[:3000]}"
+    return float(m.group(1))
