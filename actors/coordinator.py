@@ -51,6 +51,7 @@ class Coordinator:
         self._kv_used = self._kv_capacity = 0
         self._active = 0
         self._load_budget: LoadBudget | None = None
+        self._drafting_ms: dict[str, dict] = {}  # method -> {"ms": drafting time a round, a running mean}
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
@@ -237,8 +238,16 @@ class Coordinator:
             self._active += 1
         return need
 
-    def _round_budget(self, cfg: TreeConfig, stats: RequestStats) -> int:
-        """This round's tree size: cfg.budget alone, smaller as more requests share the target's passes."""
+    def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float]) -> int:
+        """This round's tree size: cfg.budget alone, smaller as more requests share the target's passes.
+        `spent`: the request's drafting seconds so far, as last seen here. Drafting time a round is a
+        running mean per method, over its requests, so a new request starts from what others measured."""
+        now = sum(stats.seconds[k] for k in ("ngram", "middle", "scheduler"))
+        drafting = self._drafting_ms.setdefault(stats.method, {})
+        if stats.tree_sizes and stats.tree_sizes[-1] > 1:  # the last round drafted
+            ms = 1e3 * (now - spent[0])
+            drafting["ms"] = ms if "ms" not in drafting else drafting["ms"] + 0.3 * (ms - drafting["ms"])
+        spent[0] = now
         if self._active <= 1 and self._load_budget is None:
             return cfg.budget
         with self._lock:
@@ -249,7 +258,7 @@ class Coordinator:
         lb = self._load_budget
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active)
+        return lb(self._active, drafting.get("ms", 0.0))
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -262,7 +271,7 @@ class Coordinator:
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats)
         out: list[int] = []
-        drafters = []
+        drafters, spent = [], [0.0]
         try:
             if max_new:
                 with timer.phase("prefill"):
@@ -277,11 +286,21 @@ class Coordinator:
                     middle = FallbackDrafter(RemoteDrafter(self.middle_host, rid, ORIGIN_MIDDLE), ngram,
                                              self._middle_died, prefetch=pattern is None or pattern[0] == "0")
                     drafters.append(middle)
+                prefetch = middle is not None and middle.prefetch
+                if prefetch and self.res.adapt_budget and self._active > 1:
+                    middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)
                 start_drafters(drafters, prompt, prefill, first)
+
+                def round_budget() -> int:
+                    size = self._round_budget(cfg, stats, spent)
+                    if prefetch:  # a round without drafting needs no catch-up: leave the middle actor free
+                        middle.prefetch = size > 1
+                    return size
+
                 out = speculate(first, cfg, policy, ngram, middle, drafters,
                                 lambda pruned: self.batcher.verify(gen, rid, pruned), timer, stats, context,
                                 max_new, eos, on_tokens=progress, draft=RoundDrafter(ngram, middle, timer),
-                                budget=(lambda: self._round_budget(cfg, stats)) if self.res.adapt_budget else None)
+                                budget=round_budget if self.res.adapt_budget else None)
         finally:
             for d in drafters:
                 d.release()

@@ -31,7 +31,8 @@ class Resources:
     (prompts in chunks of prefill_chunk tokens), and with adapt_budget each round's tree shrinks as more
     requests share a pass (sizing.LoadBudget). kv_cache_gb bounds the KV caches of the requests admitted
     (None: measured on the target ranks after loading); a request waits until its cache fits. Timeouts: placement_timeout_s for a placement group to be granted,
-    dist_timeout_s for the torch.distributed rendezvous and any collective."""
+    dist_timeout_s for the torch.distributed rendezvous and any collective, load_timeout_s for the ranks to
+    load their shards (a big checkpoint, a slow disk, CPU weight packing)."""
 
     tp: int = 1
     device: str = "cuda"
@@ -49,6 +50,7 @@ class Resources:
     kv_cache_gb: float | None = None
     placement_timeout_s: float = 30.0
     dist_timeout_s: float = 120.0
+    load_timeout_s: float = 900.0
 
     def __post_init__(self):
         if self.tp < 1:

@@ -162,7 +162,7 @@ class TargetGroup:
             try:
                 master = (ray.get(self.workers[0].rendezvous.remote(), timeout=self.res.dist_timeout_s)
                           if self.res.tp > 1 else None)
-                ray.get([w.load.remote(master) for w in self.workers], timeout=self.res.dist_timeout_s)
+                ray.get([w.load.remote(master) for w in self.workers], timeout=self.res.load_timeout_s)
             except Exception:
                 self._teardown()
                 raise

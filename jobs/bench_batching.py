@@ -50,7 +50,8 @@ def pair_paths(kind: str, folder: str):
 
 
 def bench_prompts(tok, n: int) -> list[list[int]]:
-    qs = [q for i in range(n) for q in [builtin(BENCHMARKS[i % len(BENCHMARKS)])[i // len(BENCHMARKS)]]]
+    names = list(BENCHMARKS)
+    qs = [builtin(names[i % len(names)])[i // len(names)] for i in range(n)]
     return [chat_prompt(tok, [q.turns[0]], []) for q in qs]
 
 

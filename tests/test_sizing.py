@@ -94,6 +94,7 @@ def test_load_budget_shrinks_trees_as_requests_share_passes():
     assert lb(1) == 16  # alone: the configured budget
     assert lb(2) == 4  # 2 x 4 rows still ride free
     assert lb(8) == 1  # 8 one-token steps fill the free rows: plain decoding, batched
+    assert lb(2, drafting_ms=500.0) == 1  # drafting (middle calls, say) would cost more than the tree gains
     assert [lb.cost(r) for r in (3, 8, 128)] == [100.0, 100.0, 1600.0]
     for _ in range(200):  # rounds of 8 nodes that accept 1 + 0.3 * 3 tokens: alpha follows
         lb.observe(8, 1.9)

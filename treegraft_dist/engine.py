@@ -260,7 +260,9 @@ def speculate(
         keep = cfg.budget if budget is None else budget()
         settle = () if sizer is not None else (keep,) + probe_budgets
         started = time.perf_counter()
-        if draft is None:
+        if keep == 1 and sizer is None:  # the root alone is verified: a plain step, nothing to draft
+            tree, calls = DraftTree(out[-1]), []
+        elif draft is None:
             live = middle if middle is not None and getattr(middle, "alive", True) else None
             tree, calls = draft_tree(out[-1], cfg, policy, ngram, live, timer, context, settle)
         else:

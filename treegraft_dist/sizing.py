@@ -146,12 +146,14 @@ class LoadBudget:
     Alone, a request verifies `budget` nodes a round. When `active` requests' trees go in one pass, the pass
     costs what a tree of all their rows costs, so large trees that pay alone can lose to plain decoding
     under load. Per round this picks the size b <= budget (powers of two, and the budget itself) that
-    gives the most tokens per millisecond over all of them, active * acc(b) / cost(active * b), with
+    gives the most tokens per millisecond, acc(b) / (cost(active * b) + drafting), with
       cost(rows)  the target pass's measured milliseconds (`costs`), interpolated between sizes;
+      drafting    the request's own drafting time a round (its n-gram steps, middle calls, scheduler), paid
+                  only when it drafts (b > 1);
       acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
                   size; alpha is learned online from the rounds (`observe`), starting at `alpha`.
-    b = 1 is a plain decoding step (drafting stops at once), so under heavy load speculation degrades to
-    batched plain decoding instead of losing to it. With one request active the budget stands.
+    b = 1 is a plain decoding step (no drafting at all), so under heavy load speculation degrades to batched
+    plain decoding instead of losing to it. With one request active the budget stands.
     """
 
     def __init__(self, budget: int, costs: dict[int, float], alpha: float = 0.5, smoothing: float = 0.05):
@@ -179,8 +181,9 @@ class LoadBudget:
             seen = (accepted - 1) / np.log2(size)
             self.alpha += self.smoothing * (seen - self.alpha)
 
-    def __call__(self, active: int) -> int:
+    def __call__(self, active: int, drafting_ms: float = 0.0) -> int:
         if active <= 1:
             return self.budget
-        gain = [active * (1 + self.alpha * np.log2(b)) / self.cost(active * b) for b in self.candidates]
+        gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (drafting_ms if b > 1 else 0.0))
+                for b in self.candidates]
         return self.candidates[int(np.argmax(gain))]
