@@ -273,3 +273,40 @@ def _value(text: str, series: str) -> float:
     m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
     assert m, f"{series} not in the metrics:\n{text[:3000]}"
     return float(m.group(1))
+
+
+def test_treegraft_serve_starts_the_same_application(tmp_path, target):
+    """`treegraft serve` on a local Ray of its own: the models endpoint, one completion equal to plain
+    decoding, then Ctrl-C stops it."""
+    import os
+    import signal
+
+    tok = char_tokenizer()
+    t_dir = save_tiny(tmp_path / "target", target, tok)
+    m_dir = save_tiny(tmp_path / "middle", perturbed_copy(target, 0.2, 1), tok)
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([str(BIN / "treegraft"), "serve", "--target", t_dir, "--middle", m_dir, "--model-name",
+                             NAME, "--port", str(port), "--dtype", "float32"], env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            try:
+                if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 10, "temperature": 0}
+        text = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        assert text == tok.decode(oracle(target, tok("hello")["input_ids"], 10), skip_special_tokens=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
