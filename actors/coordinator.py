@@ -284,7 +284,8 @@ class Coordinator:
                 pattern = getattr(policy, "pattern", None)  # fixed schedules: known in advance
                 if self.middle_host is not None and (pattern is None or "1" in pattern):
                     middle = FallbackDrafter(RemoteDrafter(self.middle_host, rid, ORIGIN_MIDDLE), ngram,
-                                             self._middle_died, prefetch=pattern is None or pattern[0] == "0")
+                                             self._middle_died, prefetch=self.res.middle_prefetch
+                                             and (pattern is None or pattern[0] == "0"))
                     drafters.append(middle)
                 prefetch = middle is not None and middle.prefetch
                 if prefetch and self.res.adapt_budget and self._active > 1:

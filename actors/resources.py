@@ -30,7 +30,9 @@ class Resources:
     the coordinator runs at once; their target work is batched into passes of up to max_batch_rows rows
     (prompts in chunks of prefill_chunk tokens), and with adapt_budget each round's tree shrinks as more
     requests share a pass (sizing.LoadBudget). kv_cache_gb bounds the KV caches of the requests admitted
-    (None: measured on the target ranks after loading); a request waits until its cache fits. Timeouts: placement_timeout_s for a placement group to be granted,
+    (None: measured on the target ranks after loading); a request waits until its cache fits.
+    middle_prefetch: the middle drafter catches up on the accepted tokens while the round's first n-gram
+    steps run (schedules that do not call it at layer 0), instead of inside its next call. Timeouts: placement_timeout_s for a placement group to be granted,
     dist_timeout_s for the torch.distributed rendezvous and any collective, load_timeout_s for the ranks to
     load their shards (a big checkpoint, a slow disk, CPU weight packing)."""
 
@@ -48,6 +50,7 @@ class Resources:
     prefill_chunk: int = 256
     adapt_budget: bool = True
     kv_cache_gb: float | None = None
+    middle_prefetch: bool = True
     placement_timeout_s: float = 30.0
     dist_timeout_s: float = 120.0
     load_timeout_s: float = 900.0
@@ -85,8 +88,10 @@ def for_device(device: str, tp: int = 1, **changes) -> Resources:
     """An engine's resources on `device`: on "cuda" every target rank and the middle drafter own a GPU; on
     "cpu" the actors share the cores and ask for no GPUs."""
     if device == "cpu":
+        # No middle prefetch: on shared cores its catch-up only competes with the target's pass (measured in
+        # BENCHMARKS.md, distributed path).
         cpu = dict(target_gpus=0, middle_gpus=0, target_cpus=0.25, middle_cpus=0.25, ngram_cpus=0.1,
-                   coordinator_cpus=0.1)
+                   coordinator_cpus=0.1, middle_prefetch=False)
         return Resources(tp=tp, device="cpu", **{**cpu, **changes})
     return Resources(tp=tp, device=device, **changes)
 

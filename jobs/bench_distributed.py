@@ -2,6 +2,7 @@
 
   .venv/bin/python jobs/bench_distributed.py [--tokens 64] [--prompts 4] [--tp 1 2]
   .venv/bin/python jobs/bench_distributed.py --pair embedded --tp 1 --tokens 32 --schedules all-small,01001
+        [--budget 4] [--compare-prefetch [--prefetch-last]]   # with and without the middle catch-up prefetch
 
 Per schedule and TP size: time per round (wall time / target verifications) of the single-process
 `Decoder` and of `actors.DistributedEngine`, and the difference, the per-round overhead of the actors
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--pair", choices=("tiny", "embedded"), default="tiny")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--budget", type=int, default=TreeConfig().budget, help="nodes verified per round")
+    ap.add_argument("--compare-prefetch", action="store_true",
+                    help="embedded pair: also run without the middle drafter's catch-up prefetch")
+    ap.add_argument("--prefetch-last", action="store_true", help="with --compare-prefetch: the run without it first")
     args = ap.parse_args()
     schedules = args.schedules.split(",")
     torch.set_num_threads(1)
@@ -131,13 +135,15 @@ def embedded_pair(args, schedules: list[str]) -> None:
     del decoder, target, middle
     rows = []
     for tp in args.tp:
-        res = Resources(tp=tp, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1,
-                        coordinator_cpus=0.1, torch_threads=1)
-        with DistributedEngine(*paths, tree, resources=res, dtype="float32") as engine:
-            for m in schedules:
-                dist_ms, rounds = per_round_ms(lambda p, n, m: engine.generate(p, n, m, eos_ids=eos), prompts,
-                                               args.tokens, m)
-                rows.append((tp, m, rounds, single[m][0], dist_ms))
+        settings = ((False, True) if args.prefetch_last else (True, False)) if args.compare_prefetch else (True,)
+        for prefetch in settings:
+            res = Resources(tp=tp, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1,
+                            coordinator_cpus=0.1, torch_threads=1, middle_prefetch=prefetch)
+            with DistributedEngine(*paths, tree, resources=res, dtype="float32") as engine:
+                for m in schedules:
+                    dist_ms, rounds = per_round_ms(lambda p, n, m: engine.generate(p, n, m, eos_ids=eos), prompts,
+                                                   args.tokens, m)
+                    rows.append((tp, m if prefetch else f"{m} (no prefetch)", rounds, single[m][0], dist_ms))
     print_rounds(f"3 benchmark prompts x {args.tokens} new tokens, embedded pair, fp32, budget {args.budget}", rows)
     ray.shutdown()
 
