@@ -276,9 +276,9 @@ def run_local(args: argparse.Namespace) -> int:
     """`treegraft serve`: the application on a local Ray cluster (or --address), until interrupted."""
     ray.init(address=args.address, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app_builder({k: getattr(args, k) for k in SERVER_ARGS}), name="treegraft", route_prefix="/")
-    print(f"treegraft: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-    try:
+    try:  # Ctrl-C stops it, also while the application is still starting
+        serve.run(app_builder({k: getattr(args, k) for k in SERVER_ARGS}), name="treegraft", route_prefix="/")
+        print(f"treegraft: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

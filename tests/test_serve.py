@@ -305,6 +305,9 @@ def test_treegraft_serve_starts_the_same_application(tmp_path, target):
         body = {"model": NAME, "prompt": "hello", "max_tokens": 10, "temperature": 0}
         text = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         assert text == tok.decode(oracle(target, tok("hello")["input_ids"], 10), skip_special_tokens=True)
+        while "treegraft: serving on" not in log.read_text():  # the endpoint can answer before serve.run returns
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0, log.read_text()[-6000:]
     finally:
