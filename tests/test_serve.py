@@ -52,16 +52,7 @@ def server(tmp_path_factory, target):
                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 240
-            while True:
-                assert proc.poll() is None, log.read_text()[-6000:]
-                assert time.monotonic() < deadline, log.read_text()[-6000:]
-                try:
-                    if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
+            wait_until_serving(proc, base, log, time.monotonic() + 240)
             yield base, tok, log
         finally:
             proc.terminate()
@@ -69,6 +60,18 @@ def server(tmp_path_factory, target):
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def wait_until_serving(proc, base: str, log: Path, deadline: float) -> None:
+    """Until GET /v1/models answers 200; fails with the server's log if it exits or the deadline passes."""
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+        try:
+            if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -294,14 +297,7 @@ def test_treegraft_serve_starts_the_same_application(tmp_path, target):
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
-            try:
-                if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_until_serving(proc, base, log, deadline)
         body = {"model": NAME, "prompt": "hello", "max_tokens": 10, "temperature": 0}
         text = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         assert text == tok.decode(oracle(target, tok("hello")["input_ids"], 10), skip_special_tokens=True)
