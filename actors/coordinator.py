@@ -28,7 +28,8 @@ from treegraft_dist.schedule import SchedulePolicy
 from treegraft_dist.signals import Timings, context_signals
 from treegraft_dist.sizing import LoadBudget
 from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM
+from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
+from treegraft_dist.verify import Verdict
 
 from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter, RoundDrafter, RoundSpec
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
@@ -120,6 +121,17 @@ class Coordinator:
     def target_passes(self) -> tuple[int, int]:
         """(target forward passes, pieces of request work they held) since the group was built."""
         return self.target.call(self.target.wait_ready(), "passes", check=False)
+
+    @ray.method(concurrency_group="control")
+    def load_state(self) -> dict:
+        """What sizes trees under load: requests active, the pass costs and acceptance `LoadBudget` works
+        from (None before passes were first shared), the drafting milliseconds a round per method, and
+        the (rows, milliseconds) of the latest passes as the batcher timed them."""
+        lb = self._load_budget
+        return {"active": self._active, "drafting_ms": {k: v.get("ms") for k, v in self._drafting_ms.items()},
+                "pass_ms": None if lb is None else dict(zip(lb.sizes.astype(int).tolist(), lb.ms.tolist())),
+                "alpha": None if lb is None else lb.alpha,
+                "recent_passes": [] if self.batcher is None else list(self.batcher.recent)}
 
     @property
     def timings(self) -> Timings:
@@ -256,6 +268,9 @@ class Coordinator:
                 costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
                 self._load_budget = LoadBudget(cfg.budget, costs)
         lb = self._load_budget
+        with self._lock:
+            while self.batcher.unread:  # what passes really cost, shared as they are
+                lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
         return lb(self._active, drafting.get("ms", 0.0))
@@ -298,8 +313,12 @@ class Coordinator:
                         middle.prefetch = size > 1
                     return size
 
-                out = speculate(first, cfg, policy, ngram, middle, drafters,
-                                lambda pruned: self.batcher.verify(gen, rid, pruned), timer, stats, context,
+                def verify(pruned: DraftTree) -> Verdict:
+                    if pruned.size == 1:  # a plain step: the same target work as plain decoding's
+                        return Verdict([], [self.batcher.step(gen, rid, int(pruned.tokens[0]))])
+                    return self.batcher.verify(gen, rid, pruned)
+
+                out = speculate(first, cfg, policy, ngram, middle, drafters, verify, timer, stats, context,
                                 max_new, eos, on_tokens=progress, draft=RoundDrafter(ngram, middle, timer),
                                 budget=round_budget if self.res.adapt_budget else None)
         finally:

@@ -91,6 +91,10 @@ class DistributedEngine:
         concurrent requests shared passes."""
         return ray.get(self.coordinator.target_passes.remote())
 
+    def load_state(self) -> dict:
+        """How trees are sized under load (Coordinator.load_state)."""
+        return ray.get(self.coordinator.load_state.remote())
+
     def actors(self) -> dict:
         """Handles of the actors: {"ngram": ..., "middle": ..., "target": [rank 0, ...]}."""
         return ray.get(self.coordinator.actors.remote())

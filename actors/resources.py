@@ -46,7 +46,7 @@ class Resources:
     coordinator_cpus: float = 1.0
     torch_threads: int | None = None
     max_requests: int = 16
-    max_batch_rows: int = 256
+    max_batch_rows: int = 384  # a prompt chunk and 128 rows of other requests' rounds
     prefill_chunk: int = 256
     adapt_budget: bool = True
     kv_cache_gb: float | None = None

@@ -9,8 +9,10 @@ its shard of every request's KV cache; only token ids and trees cross the wire.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
+import time
 from datetime import timedelta
 
 import psutil
@@ -19,7 +21,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work
+from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work, take_pass
 from treegraft_dist.budget import PROFILE_PAST, forward_ms
 from treegraft_dist.hf import CausalLM
 from treegraft_dist.models import check_supported, load_config, load_model, pick_dtype
@@ -263,9 +265,9 @@ class TargetBatcher:
 
     Request threads hand in their next piece of work (a prefill chunk, a tree to verify, a plain step) and
     wait for its answer; one thread sends whatever is waiting to the group as one forward pass, so the
-    trees of concurrent requests are verified together. A pass takes work in arrival order up to
-    `max_rows` rows (always at least one item); a prompt goes in chunks of `prefill_chunk` tokens, so a
-    long prefill shares passes with other requests' rounds instead of stalling them.
+    trees of concurrent requests are verified together. A pass takes the oldest item, then rounds before
+    prompt chunks, up to `max_rows` rows (`batch.take_pass`); a prompt goes in chunks of `prefill_chunk`
+    tokens, so a long prefill shares passes with other requests' rounds instead of stalling them.
     """
 
     def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int):
@@ -273,6 +275,8 @@ class TargetBatcher:
         self._waiting: list[tuple[int, Work, _Answer]] = []
         self._wake = threading.Condition()
         self._closed = False
+        self.recent: collections.deque = collections.deque(maxlen=256)  # (rows, milliseconds) of recent passes
+        self.unread: collections.deque = collections.deque(maxlen=256)  # the same, for one reader (the sizing)
         threading.Thread(target=self._loop, name="target-batcher", daemon=True).start()
 
     # -- what request threads call --------------------------------------------------------------------
@@ -316,29 +320,26 @@ class TargetBatcher:
                     return
                 batch = self._take()
             generation = batch[0][0]
+            started = time.perf_counter()
             try:
                 results = self.group.call(generation, "run", [w for _, w, _ in batch])
             except Exception as e:  # every request in the pass gets the group's error
                 for _, _, answer in batch:
                     answer.fail(e)
             else:
+                timed = (sum(w.rows for _, w, _ in batch), 1e3 * (time.perf_counter() - started))
+                self.recent.append(timed)
+                self.unread.append(timed)
                 for (_, _, answer), result in zip(batch, results):
                     answer.put(result)
 
     def _take(self) -> list:
-        """The next pass: waiting work of one group generation, one item per request, up to max_rows rows."""
+        """The next pass: waiting work of the oldest item's group generation, chosen by `take_pass`."""
         generation = self._waiting[0][0]
-        batch, rest, rows, rids = [], [], 0, set()
-        for entry in self._waiting:
-            g, w, _ = entry
-            fits = not batch or rows + w.rows <= self.max_rows
-            if g == generation and w.rid not in rids and fits:
-                batch.append(entry)
-                rows += w.rows
-                rids.add(w.rid)
-            else:
-                rest.append(entry)
-        self._waiting = rest
+        same = [i for i, (g, _, _) in enumerate(self._waiting) if g == generation]
+        chosen = {same[j] for j in take_pass([self._waiting[i][1] for i in same], self.max_rows)}
+        batch = [e for i, e in enumerate(self._waiting) if i in chosen]
+        self._waiting = [e for i, e in enumerate(self._waiting) if i not in chosen]
         return batch
 
 

@@ -9,9 +9,11 @@ fastest plain decoding this engine does under load). `@fixed` runs a method with
 (Resources.adapt_budget=False), to show what the adaptation buys. Each cell: total generated tokens per
 second over all requests, and per-request latency (submit to result; mean and 90th percentile). Every
 output is compared with `ar`'s at the same concurrency and prompt: `exact` or, in bf16, a near-tie of the
-target's logits is what lossless decoding may give; the count of differing outputs is printed per cell.
+target's logits is what lossless decoding may give (lossless.classify, with the target loaded after the runs);
+the table gives exact/near-tie/mismatch per run.
 Requests are benchmark prompts (chat-formatted first turns, spread over the six benchmarks).
-Prints a Markdown table; `--out FILE.parquet` also writes the rows.
+`--repeats N` runs every cell N times, rotating the methods' order, and the table gives the median.
+Prints a Markdown table; `--out FILE.parquet` also writes the rows (one per run).
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ def run_cell(engine, prompts, tokens, method, eos):
     return gens, n / wall, statistics.mean(lat), sorted(lat)[max(0, int(0.9 * len(lat)) - 1)]
 
 
+def judge(rows: list[dict], prompts: list[list[int]], target_path: str, dtype: str) -> None:
+    """Each run's outputs against ar's at the same concurrency, by the target's own logits at the first
+    difference (lossless.classify): exact, near-tie (bf16 rounding) or mismatch. The target is loaded here
+    once the engines are gone."""
+    from treegraft_dist.lossless import EXACT, MISMATCH, NEAR_TIE, classify
+    from treegraft_dist.models import load_model
+
+    lm = None
+    if any(o != r for row in rows if row["reference"] for o, r in zip(row["outputs"], row["reference"])):
+        lm = load_model(target_path, "cpu", dtype).lm
+    for row in rows:
+        verdicts = [EXACT if row["reference"] is None or o == r else classify(lm, prompts[i], r, o).verdict
+                    for i, (o, r) in enumerate(zip(row["outputs"], row["reference"] or row["outputs"]))]
+        row.update(exact=verdicts.count(EXACT), near_tie=verdicts.count(NEAR_TIE), mismatch=verdicts.count(MISMATCH))
+        del row["outputs"], row["reference"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", choices=("tiny", "embedded"), default="embedded")
@@ -80,6 +99,9 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,all-small,all-small@fixed,01001")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--budget", type=int, default=TreeConfig().budget)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every concurrency's methods this many times, each time in the next rotation of "
+                         "their order; the table gives the median tokens/s (the box drifts between cells)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -100,30 +122,44 @@ def main() -> None:
             for eng in engines.values():  # warm-up: kernels, the pass-cost profile
                 run_cell(eng, prompts[:2], 4, "all-small", eos)
             for c in levels:
-                ref = None
-                for m in methods:
-                    name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
-                    gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, name, eos)
-                    if name == "ar":
-                        ref = gens
-                    differ = sum(g.tokens != r.tokens for g, r in zip(gens, ref)) if ref else None
-                    acc = statistics.mean(g.stats.mean_accepted for g in gens)
-                    rows.append(dict(concurrency=c, method=m, tokens_per_s=tput, mean_latency_s=mean_lat,
-                                     p90_latency_s=p90, accepted_per_round=acc, differ=differ))
-                    print(f"  {c:>2} requests {m:>16}: {tput:6.1f} tok/s, latency mean {mean_lat:5.1f} s "
-                          f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, differ from ar: {differ}", flush=True)
+                cells = []
+                for rep in range(args.repeats):
+                    for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+                        name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
+                        gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, name, eos)
+                        acc = statistics.mean(g.stats.mean_accepted for g in gens)
+                        size = statistics.mean(n for g in gens for n in g.stats.tree_sizes or [1])
+                        cells.append((gens, dict(concurrency=c, method=m, repeat=rep, tokens_per_s=tput,
+                                                 mean_latency_s=mean_lat, p90_latency_s=p90,
+                                                 accepted_per_round=acc, tree_size=size)))
+                        print(f"  {c:>2} requests {m:>16}: {tput:6.1f} tok/s, latency mean {mean_lat:5.1f} s "
+                              f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, {size:.1f} nodes/round", flush=True)
+                ref = next((g for g, r in cells if r["method"] == "ar"), None)
+                for gens, r in cells:
+                    r["differ"] = None if ref is None else sum(g.tokens != x.tokens for g, x in zip(gens, ref))
+                    r["outputs"] = [g.tokens for g in gens]
+                    r["reference"] = None if ref is None else [x.tokens for x in ref]
+                    rows.append(r)
         finally:
             for eng in engines.values():
                 eng.shutdown()
+        judge(rows, prompts, t_path, args.dtype)
     print(f"\n{args.pair} pair, {args.tokens} new tokens per request, dtype {args.dtype}, budget {args.budget}, "
-          f"2 torch threads, {torch.get_num_threads()} cores seen\n")
-    print("| requests | method | tokens/s (all) | vs ar | mean latency s | p90 latency s | tokens/round | outputs differing from ar |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+          f"2 torch threads, {torch.get_num_threads()} cores seen, median of {args.repeats} run(s) per cell\n")
+    print("| requests | method | tokens/s (all) | vs ar | mean latency s | p90 latency s | tokens/round | nodes/round "
+          "| exact/near-tie/mismatch vs ar, per run |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    table = {}
     for r in rows:
-        ratio = r["tokens_per_s"] / base[r["concurrency"]] if r["concurrency"] in base else float("nan")
-        print(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | {r['mean_latency_s']:.1f} "
-              f"| {r['p90_latency_s']:.1f} | {r['accepted_per_round']:.2f} | {r['differ']} |")
+        table.setdefault((r["concurrency"], r["method"]), []).append(r)
+    med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in table.items()}
+    for (c, m), group in table.items():
+        ratio = med[c, m] / med[c, "ar"] if (c, "ar") in med else float("nan")
+        mean = {k: statistics.mean(x[k] for x in group) for k in ("mean_latency_s", "p90_latency_s",
+                                                                  "accepted_per_round", "tree_size")}
+        differ = ", ".join(f"{x['exact']}/{x['near_tie']}/{x['mismatch']}" for x in group)
+        print(f"| {c} | {m} | {med[c, m]:.1f} | {ratio:.2f}x | {mean['mean_latency_s']:.1f} | {mean['p90_latency_s']:.1f} "
+              f"| {mean['accepted_per_round']:.2f} | {mean['tree_size']:.1f} | {differ} |")
     if args.out:
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -1,5 +1,5 @@
-"""Several requests in one target pass (batch.py, verify.forward_blocks): block-diagonal masks over caches
-laid end to end give every request what it gets alone: the same verdicts and tokens (the target's own
+"""Several requests in one target pass (batch.py, verify.forward_blocks): linear layers over every row, attention
+block by block over each request's own cache, give every request what it gets alone: the same verdicts and tokens (the target's own
 greedy decoding), the same KV caches, whatever mix of prompt chunks, tree verifications and plain steps
 shares a pass."""
 
@@ -102,3 +102,24 @@ def test_one_item_per_request_in_a_pass():
     batch.run([Work(PREFILL, 0, prompt=[1, 2, 3], start=0, end=3)])
     with pytest.raises(ValueError, match="one item per request"):
         batch.run([Work(STEP, 0, token=1), Work(STEP, 0, token=2)])
+
+
+def test_a_pass_takes_the_oldest_then_rounds_before_prompt_chunks():
+    from treegraft_dist.batch import take_pass
+
+    def chunk(rid, rows):
+        return Work(PREFILL, rid, start=0, end=rows)
+
+    tree = chain_tree(1, [2, 3, 4])  # 4 nodes
+    step, verify = (lambda rid: Work(STEP, rid, token=5)), (lambda rid: Work(VERIFY, rid, tree=tree))
+    # The oldest item goes first whatever it is; steps and trees join it before a later prompt chunk.
+    waiting = [chunk(0, 256), chunk(1, 256), step(2), verify(3), step(2)]
+    assert take_pass(waiting, 384) == [0, 2, 3]  # request 2's second step waits: one item per request
+    assert take_pass(waiting, 256) == [0]  # no room beside a full chunk
+    # Rounds first: a chunk that arrived before them waits when they fill the pass ...
+    waiting = [step(0)] + [chunk(1, 200)] + [verify(r) for r in range(2, 40)]
+    taken = take_pass(waiting, 100)
+    assert 1 not in taken and sum(waiting[i].rows for i in taken) <= 100 and len(taken) == 25
+    # ... but it goes once it is the oldest, even alone over the row budget.
+    assert take_pass(waiting[1:], 100) == [0]
+    assert take_pass([], 8) == []

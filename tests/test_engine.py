@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
 from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder, draft_tree
+from treegraft_dist.engine import Decoder, draft_tree, speculate
 from treegraft_dist.hf import CausalLM
 from treegraft_dist.neural import NeuralDrafter
 from treegraft_dist.ngram import NGramDrafter
@@ -206,3 +206,49 @@ def test_skipped_layers_never_change_the_pruned_tree(pattern, replay):
                 d.accept(path, verdict.tokens)
             root = verdict.tokens[-1]
     assert skipped or replay
+
+
+@pytest.mark.parametrize("method", ["all-small", "01001", "all-mid"])
+def test_plain_step_rounds_tell_the_drafters_once_and_stay_exact(method):
+    # Under load a round can shrink to the root alone (a plain step, nothing drafted). Its token reaches
+    # the drafters only when a later round drafts, in one accept for the run of steps: the output is still
+    # the target's greedy decoding, and the drafters hear once per drafting round, not once per step.
+    target, mid = pair("llama", "close")
+    cfg = TreeConfig(budget=8)
+    for seed, prompt in enumerate(prompts(7, n=2)):
+        rng = random.Random(seed)
+        sizes = iter([rng.choice([1, 1, 1, 2, 8]) for _ in range(100)])
+        verifier = TargetVerifier(target, SamplingParams())
+        first, prefill = verifier.prefill(prompt)
+        ngram, middle = NGramDrafter.from_config(cfg), NeuralDrafter(mid, cfg.top_k, cfg.lookback)
+        accepts = []
+
+        class Counted:
+            def __init__(self, d):
+                self.d = d
+
+            def start(self, p, c):
+                self.d.start(p, c)
+
+            def accept(self, path, tokens):
+                accepts.append(len(tokens))
+                self.d.accept(path, tokens)
+
+        drafters = [Counted(ngram), Counted(middle)]
+        for d in drafters:
+            d.start(prompt, prefill)
+            d.accept([], [first])
+        stats, timer = RequestStats(method), PhaseTimer(RequestStats("t"))
+        out = speculate(first, cfg, fixed_schedule(method, cfg.depth), ngram, middle, drafters, verifier.verify,
+                        timer, stats, None, 40, set(), budget=lambda: next(sizes))
+        assert out[:40] == hf_greedy(target, prompt, 40)
+        assert 1 in stats.tree_sizes and 2 in stats.tree_sizes
+        # start's accept, then per drafting round its own and, when plain steps came before it, one for them
+        want, behind = 1, False
+        for n in stats.tree_sizes:
+            want += (1 + behind) if n > 1 else 0
+            behind = n == 1
+        assert len(accepts) == 2 * want
+        # ... and every token exactly once: the first, then all rounds' up to the last one that drafted
+        last = max(i for i, n in enumerate(stats.tree_sizes) if n > 1)
+        assert sum(accepts[::2]) == 1 + sum(stats.accepted[: last + 1])

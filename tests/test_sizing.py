@@ -99,5 +99,13 @@ def test_load_budget_shrinks_trees_as_requests_share_passes():
     for _ in range(200):  # rounds of 8 nodes that accept 1 + 0.3 * 3 tokens: alpha follows
         lb.observe(8, 1.9)
     assert abs(lb.alpha - 0.3) < 0.01
+    # Real passes of several requests cost more than the profile said: the curve follows what they cost.
+    for _ in range(300):
+        for rows, ms in ((8, 180.0), (12, 260.0), (16, 340.0)):
+            lb.observe_pass(rows, ms)
+    assert abs(lb.cost(8) - 180.0) < 2 and abs(lb.cost(16) - 340.0) < 2
+    assert lb.cost(64) == 800.0  # sizes no pass came near keep the profile
+    lb.observe_pass(300, 1e6)  # prompt chunks past the largest size do not move it
+    assert lb.cost(64) == 800.0
     with pytest.raises(ValueError):
         LoadBudget(8, {})

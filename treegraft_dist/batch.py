@@ -63,7 +63,11 @@ class BatchedTarget:
         hidden = forward_blocks(self.lm, blocks)
         self.passes += 1
         self.items += len(items)
-        return [self._done(w, h) for w, h in zip(items, hidden)]
+        # Every row whose next-token distribution decides something, through the output head at once: one
+        # read of its weights (the largest matrix of a small model) instead of one per request.
+        rows = [h if w.kind == VERIFY else h[-1:] for w, h in zip(items, hidden) if self._decides(w)]
+        logits = iter(torch.split(self.lm.logits(torch.cat(rows)), [len(r) for r in rows]) if rows else ())
+        return [self._done(w, h, next(logits) if self._decides(w) else None) for w, h in zip(items, hidden)]
 
     def release(self, rid: int) -> None:
         self.requests.pop(rid, None)
@@ -83,11 +87,35 @@ class BatchedTarget:
             return v.step_block(w.token)
         raise ValueError(f"unknown work kind {w.kind!r}")
 
-    def _done(self, w: Work, h: torch.Tensor):
+    def _decides(self, w: Work) -> bool:
+        """Whether the item's rows go through the output head: a verification, a step, a prompt's last chunk."""
+        return w.kind != PREFILL or w.end == len(self._prompts[w.rid])
+
+    def _done(self, w: Work, h: torch.Tensor, logits: torch.Tensor | None):
         v = self.requests[w.rid]
         if w.kind == PREFILL:
-            out = v.prefill_done(h, self._prompts[w.rid], w.start, w.want_prefill_cache)
+            out = v.prefill_done(h, self._prompts[w.rid], w.start, w.want_prefill_cache, logits)
             if out is not None:
                 self._prompts.pop(w.rid, None)
             return out
-        return v.verify_done(w.tree, h) if w.kind == VERIFY else v.step_done(h)
+        return v.verify_done(w.tree, logits) if w.kind == VERIFY else v.step_done(logits)
+
+
+def take_pass(waiting: list[Work], max_rows: int) -> list[int]:
+    """Which of the `waiting` items (oldest first; one request may have several) the next pass takes, as
+    indices: the oldest always (nothing starves, and an item over `max_rows` still runs alone), then rounds
+    (tree verifications, plain steps) in arrival order before prompt chunks, one item per request, while
+    the rows fit. So a prompt chunk carries the rounds waiting beside it, the way chunked prefill
+    schedules decodes first, instead of the rounds waiting a whole chunk's pass for the next one."""
+    if not waiting:
+        return []
+    order = [0] + sorted(range(1, len(waiting)), key=lambda i: waiting[i].kind == PREFILL)
+    taken, rows, rids = [], 0, set()
+    for i in order:
+        w = waiting[i]
+        if w.rid not in rids and (not taken or rows + w.rows <= max_rows):
+            taken.append(i)
+            rows += w.rows
+            rids.add(w.rid)
+    return sorted(taken)
+

@@ -249,18 +249,27 @@ def speculate(
     shown the tokens so far (before truncation) at the start and after each round; when it returns True
     the request ends there (a client went away, a stop string was met). `draft(root, budgets) -> (tree, calls)` drafts a round in the
     caller's own way (the coordinator: n-gram layers on the n-gram actor); by default `draft_tree` here.
-    `budget()`, when given, is each round's tree size instead of cfg.budget (the coordinator's, under load)."""
+    `budget()`, when given, is each round's tree size instead of cfg.budget (the coordinator's, under load).
+    A round of size 1 is a plain step: nothing is drafted, and the drafters hear of its token only when a
+    later round drafts (one accept for the whole run of steps, which is what they would have built from
+    one accept each), so under load a speculative request costs what a plain one does."""
     out = [first]
     stop = on_tokens is not None and on_tokens(out)
     if sizer is not None:
         sizer.start_request()
+    unseen: list[int] = []  # tokens of plain-step rounds the drafters have not been told yet
     while len(out) < max_new and out[-1] not in eos and not stop:
         fell_back = getattr(middle, "fallback_steps", 0)
         # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
         keep = cfg.budget if budget is None else budget()
         settle = () if sizer is not None else (keep,) + probe_budgets
         started = time.perf_counter()
-        if keep == 1 and sizer is None:  # the root alone is verified: a plain step, nothing to draft
+        plain = keep == 1 and sizer is None  # the root alone is verified: a plain step, nothing to draft
+        if not plain and unseen:
+            for d in drafters:  # one accept for a run of plain steps: the drafters drafted nothing in them
+                d.accept([0], unseen)
+            unseen = []
+        if plain:
             tree, calls = DraftTree(out[-1]), []
         elif draft is None:
             live = middle if middle is not None and getattr(middle, "alive", True) else None
@@ -276,9 +285,12 @@ def speculate(
             verdict = verify(pruned)
         if sizer is not None:
             sizer.observe(tree, kept, verdict.accepted)
-        path = [0] + [int(kept[i]) for i in verdict.accepted]
-        for d in drafters:
-            d.accept(path, verdict.tokens)
+        if plain:  # told at the next round that drafts (no actor message, no work, per plain step)
+            unseen.extend(verdict.tokens)
+        else:
+            path = [0] + [int(kept[i]) for i in verdict.accepted]
+            for d in drafters:
+                d.accept(path, verdict.tokens)
         accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
         out.extend(accepted)
         stats.accepted.append(len(accepted))

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 # transformers' sdpa path copies every cached key and value once per query head group (repeat_kv) for any pass
@@ -31,6 +34,83 @@ SDPA_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 def _cache_kwarg(model: PreTrainedModel) -> str:
     params = inspect.signature(model.base_model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+class BlockPass:
+    """One forward pass over several requests' blocks of rows (hidden_blocks). It stands in for both the
+    cache and the attention mask the model is given: `update` hands each block's new keys and values to its
+    own request's cache, and `block_attention` attends each block over that cache with its own mask, so no
+    row ever computes scores for another request's positions (a joint cache with a block-diagonal mask
+    would, at a cost that grows with every request's context)."""
+
+    def __init__(self, caches: list[DynamicCache], sizes: list[int],
+                 masks: list[torch.Tensor],  # per block [1, 1, n_b, past_b + n_b] additive
+                 inner: Callable):
+        self.caches, self.masks, self.inner = caches, masks, inner
+        ends = np.cumsum(sizes).tolist()
+        self.rows = list(zip([0] + ends[:-1], ends))
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        for cache, (a, b) in zip(self.caches, self.rows):  # keys, values: [1, kv heads, rows, head dim]
+            cache.update(keys[..., a:b, :], values[..., a:b, :], layer_idx)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given; no joint cache exists
+
+
+def block_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function of a `BlockPass` (registered as BLOCK_ATTENTION): the model's own attention
+    implementation, once per block, over that block's cache. query: [1, heads, rows, head dim]. The model
+    hands its keyword arguments down to here, the pass among them (BLOCKS_KWARG)."""
+    blocks = kwargs.pop(BLOCKS_KWARG, None)
+    if not isinstance(blocks, BlockPass):
+        raise TypeError(f"{type(module).__module__} does not pass its keyword arguments to attention: "
+                        "block attention runs only inside CausalLM.hidden_blocks")
+    outs = []
+    for cache, (a, b), mask in zip(blocks.caches, blocks.rows, blocks.masks):
+        layer = cache.layers[module.layer_idx]
+        if b - a <= SMALL_BLOCK:
+            out = small_block_attention(query[:, :, a:b], layer.keys, layer.values, mask, kwargs["scaling"])
+        else:
+            out, _ = blocks.inner(module, query[:, :, a:b], layer.keys, layer.values, mask, **kwargs)
+        outs.append(out)  # [1, n_b, heads, head dim]
+    return torch.cat(outs, dim=1), None
+
+
+# Blocks of up to this many rows (plain steps, small trees) attend by two grouped fp32 matmuls. torch's fused
+# CPU attention costs about 0.35 ms for one bf16 row over 250 cached positions and 1.3-1.9 ms over 1,000
+# (measured on a Zen 4 EPYC, 2 threads); the matmuls 0.1 and 0.2 ms, with the scores and softmax in fp32.
+SMALL_BLOCK = 16
+
+
+def small_block_attention(
+    query: torch.Tensor,  # [1, heads, m, head dim]
+    keys: torch.Tensor,  # [1, kv heads, L, head dim]
+    values: torch.Tensor,  # [1, kv heads, L, head dim]
+    mask: torch.Tensor,  # [1, 1, m, L] additive
+    scaling: float,
+) -> torch.Tensor:  # [1, m, heads, head dim], query's dtype
+    """Attention of a few rows, grouped-query without copying keys: each key/value head's group of query
+    heads is one matmul."""
+    _, heads, m, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = query[0].reshape(kv_heads, group * m, dim).float()
+    scores = torch.matmul(q, keys[0].float().transpose(1, 2)).mul_(scaling)  # [kv heads, group * m, L]
+    scores = scores.view(kv_heads, group, m, length).add_(mask[0, 0].float()).view(kv_heads, group * m, length)
+    out = torch.bmm(scores.softmax(dim=-1), values[0].float())  # [kv heads, group * m, head dim]
+    return out.view(heads, m, dim).transpose(0, 1)[None].to(query.dtype)
+
+
+BLOCK_ATTENTION, BLOCKS_KWARG = "treegraft-blocks", "treegraft_blocks"
+_NO_MASK = torch.zeros((1, 1, 1, 1))  # a 4D mask is passed through as given, and block attention ignores it
+AttentionInterface.register(BLOCK_ATTENTION, block_attention)
+
+
+def _eager_attention(base: PreTrainedModel) -> Callable:
+    """The model's own eager attention (transformers keeps it in each model's module, not in the registry)."""
+    return sys.modules[type(base).__module__].eager_attention_forward
 
 
 class CausalLM:
@@ -78,6 +158,32 @@ class CausalLM:
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def hidden_blocks(
+        self,
+        caches: list[DynamicCache],
+        input_ids: list[torch.Tensor],  # per block [n_b] int64
+        positions: list[torch.Tensor],  # per block [n_b] int64
+        attends: list[torch.Tensor | None],  # per block as `hidden` takes it
+    ) -> torch.Tensor:  # [sum n_b, hidden]
+        """Several requests' blocks in one pass, each over its own cache: the linear layers run on all rows
+        at once, attention block by block (`BlockPass`), and each block's keys and values go to its own cache.
+        Every block's attention is exactly what `hidden` computes for it alone: same inputs, same mask."""
+        inner = self.model.config._attn_implementation
+        masks = [self._additive_mask(len(ids), cache_len(c), a)[None, None]
+                 for c, ids, a in zip(caches, input_ids, attends)]
+        blocks = BlockPass(caches, [len(ids) for ids in input_ids], masks,
+                           ALL_ATTENTION_FUNCTIONS.get_interface(inner, _eager_attention(self.base)))
+        self.model.config._attn_implementation = BLOCK_ATTENTION
+        try:
+            out = self.base(input_ids=torch.cat(input_ids).to(self.device)[None],
+                            position_ids=torch.cat(positions).to(self.device)[None],
+                            **{self._cache_kw: blocks, BLOCKS_KWARG: blocks}, use_cache=True,
+                            attention_mask=_NO_MASK)  # the masks are the blocks' own, in `blocks`
+        finally:
+            self.model.config._attn_implementation = inner
+        return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def hidden(

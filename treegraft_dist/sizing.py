@@ -147,7 +147,8 @@ class LoadBudget:
     costs what a tree of all their rows costs, so large trees that pay alone can lose to plain decoding
     under load. Per round this picks the size b <= budget (powers of two, and the budget itself) that
     gives the most tokens per millisecond, acc(b) / (cost(active * b) + drafting), with
-      cost(rows)  the target pass's measured milliseconds (`costs`), interpolated between sizes;
+      cost(rows)  the target pass's measured milliseconds (`costs`), interpolated between sizes, and then
+                  learned from the passes as they run (`observe_pass`);
       drafting    the request's own drafting time a round (its n-gram steps, middle calls, scheduler), paid
                   only when it drafts (b > 1);
       acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
@@ -174,6 +175,21 @@ class LoadBudget:
             return float(np.interp(rows, self.sizes, self.ms))
         slope = (self.ms[-1] - self.ms[-2]) / (self.sizes[-1] - self.sizes[-2])
         return float(self.ms[-1] + slope * (rows - self.sizes[-1]))
+
+    def observe_pass(self, rows: int, ms: float, rate: float = 0.1) -> None:
+        """A real pass of `rows` rows took `ms`: the cost curve moves toward it. A pass of several requests
+        costs more than the profiled single tree of as many rows (per-request attention, the actor calls,
+        the work around it), so the profile is where the curve starts, not where it stays. The two profiled
+        sizes around `rows` take the error in proportion to their interpolation weights (least squares on
+        the piecewise-linear curve); passes beyond the largest size (prompt chunks) are not used."""
+        if rows > self.sizes[-1] or len(self.sizes) == 1:
+            return
+        hi = int(np.searchsorted(self.sizes, rows))
+        lo = max(0, hi - 1)
+        w = 1.0 if hi == lo else (rows - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
+        err = ms - self.cost(rows)
+        self.ms[lo] += rate * (1 - w) * err
+        self.ms[hi] += rate * w * err
 
     def observe(self, size: int, accepted: int) -> None:
         """A round verified `size` nodes and accepted `accepted` tokens (bonus included)."""

@@ -52,35 +52,15 @@ class Block:
 
 
 def forward_blocks(lm: CausalLM, blocks: list[Block]) -> list[torch.Tensor]:  # [n_b, hidden] per block
-    """One target pass over several requests' blocks, each over its own KV cache: the caches are laid end
-    to end and the mask is block-diagonal, so every row sees its own request's cache and block only. Each
-    cache then holds its block's keys and values, as if its block had run alone."""
+    """One target pass over several requests' blocks, each over its own KV cache: the linear layers see every
+    row at once, attention runs per block over its own cache and mask (CausalLM.hidden_blocks). Each cache
+    then holds its block's keys and values, as if its block had run alone."""
     if len(blocks) == 1:
         b = blocks[0]
         return [lm.hidden(b.cache, b.ids, b.positions, b.attend)]
-    lens = [cache_len(b.cache) for b in blocks]
-    sizes = [len(b.ids) for b in blocks]
-    past, n = sum(lens), sum(sizes)
-    attend = torch.zeros((n, past + n), dtype=torch.bool)
-    col = row = 0
-    for b, length, m in zip(blocks, lens, sizes):
-        attend[row : row + m, col : col + length] = True
-        own = b.attend if b.attend is not None else torch.ones((m, m), dtype=torch.bool).tril_()
-        attend[row : row + m, past + row : past + row + m] = own
-        col, row = col + length, row + m
-    joint = lm.new_cache()
-    for i in range(len(joint.layers)):
-        parts = [b.cache.layers[i] for b in blocks if b.cache.layers[i].is_initialized]
-        if parts:
-            joint.update(torch.cat([layer.keys for layer in parts], dim=-2),
-                         torch.cat([layer.values for layer in parts], dim=-2), i)
-    h = lm.hidden(joint, torch.cat([b.ids for b in blocks]), torch.cat([b.positions for b in blocks]), attend)
-    row = past
-    for b, m in zip(blocks, sizes):
-        for i, layer in enumerate(joint.layers):
-            b.cache.update(layer.keys[..., row : row + m, :], layer.values[..., row : row + m, :], i)
-        row += m
-    return list(torch.split(h, sizes))
+    h = lm.hidden_blocks([b.cache for b in blocks], [b.ids for b in blocks], [b.positions for b in blocks],
+                         [b.attend for b in blocks])
+    return list(torch.split(h, [len(b.ids) for b in blocks]))
 
 
 class TargetVerifier:
@@ -104,11 +84,11 @@ class TargetVerifier:
 
     def step(self, token: int) -> int:
         """Plain decoding: feed one token, return the next (the autoregressive baseline)."""
-        return self.step_done(forward_blocks(self.lm, [self.step_block(token)])[0])
+        return self.step_done(self.lm.logits(forward_blocks(self.lm, [self.step_block(token)])[0]))
 
     def verify(self, tree: DraftTree) -> Verdict:
         """One target pass over the pruned tree; keeps the KV entries of the accepted path only."""
-        return self.verify_done(tree, forward_blocks(self.lm, [self.verify_block(tree)])[0])
+        return self.verify_done(tree, self.lm.logits(forward_blocks(self.lm, [self.verify_block(tree)])[0]))
 
     # -- the halves -----------------------------------------------------------------------------------
     def prefill_block(self, prompt: list[int], start: int, end: int) -> Block:
@@ -118,8 +98,9 @@ class TargetVerifier:
             self._prefill_rows = []
         return Block(self.cache, torch.tensor(prompt[start:end], dtype=torch.int64), torch.arange(start, end), None)
 
-    def prefill_done(self, h: torch.Tensor, prompt: list[int], start: int,
-                     want_prefill_cache: bool) -> tuple[int, PrefillCache | None] | None:
+    def prefill_done(self, h: torch.Tensor, prompt: list[int], start: int, want_prefill_cache: bool,
+                     last_logits: torch.Tensor | None = None,  # [1, vocab] of h's last row, when computed already
+                     ) -> tuple[int, PrefillCache | None] | None:
         """After a chunk's pass: None until the last chunk, then (first token, prefill cache or None)."""
         end = start + len(h)
         if want_prefill_cache:  # a drafting aid: over the target's draft vocabulary, not the whole one
@@ -128,7 +109,9 @@ class TargetVerifier:
             self._prefill_rows.append((tokens, logprobs))
         if end < len(prompt):
             return None
-        first = next_token(self.lm.logits(h[-1:])[0], self.sampling, self.generator)
+        if last_logits is None:
+            last_logits = self.lm.logits(h[-1:])
+        first = next_token(last_logits[0], self.sampling, self.generator)
         rows, self._prefill_rows = self._prefill_rows, []
         if not want_prefill_cache:
             return first, None
@@ -138,15 +121,14 @@ class TargetVerifier:
         past = cache_len(self.cache)
         return Block(self.cache, torch.tensor([token]), torch.tensor([past]), None)
 
-    def step_done(self, h: torch.Tensor) -> int:
-        return next_token(self.lm.logits(h)[0], self.sampling, self.generator)
+    def step_done(self, logits: torch.Tensor) -> int:  # [1, vocab]
+        return next_token(logits[0], self.sampling, self.generator)
 
     def verify_block(self, tree: DraftTree) -> Block:
         attend, positions = tree_attention(tree, cache_len(self.cache))
         return Block(self.cache, torch.from_numpy(tree.token_list().copy()), positions, attend)
 
-    def verify_done(self, tree: DraftTree, h: torch.Tensor) -> Verdict:
-        logits = self.lm.logits(h)
+    def verify_done(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:  # [tree size, vocab]
         if self.sampling.greedy:
             verdict = _accept_greedy(tree, torch.argmax(logits, dim=-1).tolist())
         else:
