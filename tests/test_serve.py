@@ -1,8 +1,10 @@
 """The OpenAI-compatible server: a real `serve run` of the repository's serve.yaml (its args pointed at a tiny
 pair) on a local cluster (`ray start --head`), driven by the official `openai` client. Completions and chat,
 streamed and not, equal the target's own greedy decoding; bad requests get the right status and error body;
-32 concurrent streaming clients all get their whole, correct output; a full queue answers 429 with
-Retry-After; a client that leaves stops its request; Prometheus metrics count it all."""
+32 concurrent streaming clients all get their whole, correct output; killing the drafter actors under load
+changes no output, and killing the target worker fails its requests with a clear error before the rebuilt
+group serves the next ones; a full queue answers 429 with Retry-After; a client that leaves stops its
+request; Prometheus metrics count it all."""
 
 import asyncio
 import re
@@ -223,6 +225,104 @@ def test_32_concurrent_streaming_clients(server, target):
     texts = asyncio.run(run_all())
     for p, text in zip(prompts, texts):
         assert text == tok.decode(oracle(target, tok(p)["input_ids"], 12), skip_special_tokens=True), p
+
+
+def kill_processes(title: str) -> int:
+    """SIGKILL every process on this machine titled `title` or `title.<method>` (Ray titles an actor's worker
+    process ray::<class>, and ray::<class>.<method> while it runs a call); how many."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        first = (proc.info["cmdline"] or [""])[0].split()
+        if first and (first[0] == title or first[0].startswith(title + ".")):
+            proc.kill()
+            killed += 1
+    return killed
+
+
+async def stream_until_started(base: str, bodies: list[dict], started: int, then) -> tuple[object, list[list[str]]]:
+    """Stream every body at once; once `started` streams have sent text, call `then()` (in a thread); returns
+    its result and each stream's data lines (without the "data: " prefix)."""
+    seen, go = set(), asyncio.Event()
+
+    async def one(http, i, body):
+        lines = []
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    seen.add(i)
+                    if len(seen) >= started:
+                        go.set()
+        return lines
+
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        tasks = [asyncio.create_task(one(http, i, b)) for i, b in enumerate(bodies)]
+        await go.wait()
+        result = await asyncio.to_thread(then)
+        return result, await asyncio.gather(*tasks)
+
+
+def streamed_text(lines: list[str]) -> str:
+    import json
+
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, lines[:-1]) if c.get("choices"))
+
+
+def test_drafter_actors_killed_under_load_change_no_output(server, target):
+    """16 streams over every kind of method; the n-gram and middle drafter actors are killed while they run:
+    every output is still the target's greedy decoding, and the restarted drafters serve the next request."""
+    base, tok = server[0], server[1]
+    prompts = [f"Load {i}: abcab{'c' * (i % 3)}" for i in range(16)]
+    methods = ["treegraft", "all-mid", "01001", "all-small"]
+    bodies = [{"model": NAME, "prompt": p, "max_tokens": 120, "temperature": 0, "stream": True,
+               "method": methods[i % 4]} for i, p in enumerate(prompts)]
+    killed, streams = asyncio.run(stream_until_started(base, bodies, MAX_REQUESTS,
+                                                       lambda: kill_processes("ray::DrafterHost")))
+    assert killed == 2  # the n-gram actor and the middle drafter
+    for p, lines in zip(prompts, streams):
+        assert lines[-1] == "[DONE]" and "error" not in lines[-2], lines[-2:]
+        assert streamed_text(lines) == tok.decode(oracle(target, tok(p)["input_ids"], 120), skip_special_tokens=True), p
+    later = httpx.post(base + "/v1/completions", timeout=120, json={
+        "model": NAME, "prompt": "after", "max_tokens": 20, "temperature": 0, "method": "all-mid"}).json()
+    assert later["choices"][0]["text"] == tok.decode(oracle(target, tok("after")["input_ids"], 20), skip_special_tokens=True)
+    assert later["metrics"]["speculative_decoding"]["middle_calls"] > 0  # a middle drafter again
+
+
+def test_a_target_rank_killed_under_load_fails_its_requests_clearly_then_serves(server, target):
+    """The target worker dies under load: the requests it was serving end with a clear error event (503,
+    engine_restarting), none with wrong text; the group is rebuilt and later requests are served correctly."""
+    import json
+
+    base, tok = server[0], server[1]
+    bodies = [{"model": NAME, "prompt": f"rank {i}", "max_tokens": 300, "temperature": 0, "stream": True,
+               "method": ["ar", "all-small"][i % 2]} for i in range(8)]
+    killed, streams = asyncio.run(stream_until_started(base, bodies, 2, lambda: kill_processes("ray::TargetWorker")))
+    assert killed == 1
+    failed = 0
+    for body, lines in zip(bodies, streams):
+        assert lines[-1] == "[DONE]"
+        last = json.loads(lines[-2])
+        want = tok.decode(oracle(target, tok(body["prompt"])["input_ids"], 300), skip_special_tokens=True)
+        if "error" in last:
+            failed += 1
+            assert last["error"]["code"] == "engine_restarting" and "lost a worker" in last["error"]["message"]
+            assert want.startswith(streamed_text(lines[:-1] + ["[DONE]"]))  # what it sent before was right
+        else:
+            assert streamed_text(lines) == want
+    assert failed >= 1
+    deadline = time.monotonic() + 180
+    while True:  # the group is rebuilt: 503 with Retry-After until then
+        resp = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": NAME, "prompt": "later", "max_tokens": 20, "temperature": 0, "method": "01001"})
+        if resp.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(float(resp.headers.get("Retry-After", 1)))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == tok.decode(oracle(target, tok("later")["input_ids"], 20),
+                                                           skip_special_tokens=True)
 
 
 def test_a_full_queue_answers_429_and_the_rest_are_served(server, target):

@@ -2,7 +2,7 @@
 
 A `Work` item is one request's next piece of target work: a chunk of its prompt, the verification of its
 pruned tree, or one plain decoding step. `BatchedTarget.run` does a list of them, one request's at most
-once, in a single forward pass (`verify.forward_blocks`: each request's KV cache, a block-diagonal mask),
+once, in a single forward pass (`verify.forward_blocks`: each request attends over its own KV cache),
 and answers each as its request would have been answered alone. Which items go together (a long prompt in
 chunks between other requests' rounds, the row budget of a pass) is the caller's choice; actors/target.py
 makes it.
