@@ -43,6 +43,7 @@ class Coordinator:
         self.middle_path, self.dtype = middle_path, dtype
         self.target = TargetGroup(target_path, resources, sampling, dtype)
         self._timings = timings
+        self._timings_lock = threading.Lock()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._progress: dict[int, int] = {}
@@ -135,11 +136,16 @@ class Coordinator:
 
     @property
     def timings(self) -> Timings:
+        """The target's and the middle drafter's forward times over a full-budget tree, measured once: by the
+        first request that needs them, while any others that start meanwhile wait for that measurement
+        (each measuring on its own would queue one profile per request on the target's passes)."""
         if self._timings is None:
-            gen = self.target.wait_ready()
-            t_tgt = self.target.call(gen, "forward_ms", self.cfg.budget, check=False)
-            t_mid = ray.get(self.middle_host.forward_ms.remote(self.cfg.budget)) if self.middle_host else 1.0
-            self._timings = Timings(t_tgt, t_mid)
+            with self._timings_lock:
+                if self._timings is None:
+                    gen = self.target.wait_ready()
+                    t_tgt = self.target.call(gen, "forward_ms", self.cfg.budget, check=False)
+                    t_mid = ray.get(self.middle_host.forward_ms.remote(self.cfg.budget)) if self.middle_host else 1.0
+                    self._timings = Timings(t_tgt, t_mid)
         return self._timings
 
     # -- requests -------------------------------------------------------------------------------------

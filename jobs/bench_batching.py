@@ -5,7 +5,8 @@ speculation on and off, on one distributed engine, side by side in one run.
         [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto]
 
 `ar` is the same engine with speculation off (its steps are batched across requests too, so it is the
-fastest plain decoding this engine does under load). `@fixed` runs a method without the load-adapted budget
+fastest plain decoding this engine does under load). `treegraft` is what the server runs by default (the
+shallow-tree heuristic, deciding middle calls from the tree's signals). `@fixed` runs a method without the load-adapted budget
 (Resources.adapt_budget=False), to show what the adaptation buys. Each cell: total generated tokens per
 second over all requests, and per-request latency (submit to result; mean and 90th percentile). Every
 output is compared with `ar`'s at the same concurrency and prompt: `exact` or, in bf16, a near-tie of the
@@ -34,6 +35,7 @@ from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import for_device  # noqa: E402
 from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
 from treegraft_dist.config import TreeConfig  # noqa: E402
+from treegraft_dist.schedule import ShallowTreeHeuristic  # noqa: E402
 
 
 def pair_paths(kind: str, folder: str):
@@ -126,7 +128,8 @@ def main() -> None:
                 for rep in range(args.repeats):
                     for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
                         name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
-                        gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, name, eos)
+                        method = ShallowTreeHeuristic() if name == "treegraft" else name  # serve's default
+                        gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, method, eos)
                         acc = statistics.mean(g.stats.mean_accepted for g in gens)
                         size = statistics.mean(n for g in gens for n in g.stats.tree_sizes or [1])
                         cells.append((gens, dict(concurrency=c, method=m, repeat=rep, tokens_per_s=tput,
