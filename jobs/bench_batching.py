@@ -87,8 +87,9 @@ def judge(rows: list[dict], prompts: list[list[int]], target_path: str, dtype: s
     if any(o != r for row in rows if row["reference"] for o, r in zip(row["outputs"], row["reference"])):
         lm = load_model(target_path, "cpu", dtype).lm
     for row in rows:
-        verdicts = [EXACT if row["reference"] is None or o == r else classify(lm, prompts[i], r, o).verdict
-                    for i, (o, r) in enumerate(zip(row["outputs"], row["reference"] or row["outputs"]))]
+        reference = row["reference"] or row["outputs"]  # no ar run at this concurrency: nothing to judge
+        verdicts = [EXACT if o == r else classify(lm, prompts[i], r, o).verdict
+                    for i, (o, r) in enumerate(zip(row["outputs"], reference))]
         row.update(exact=verdicts.count(EXACT), near_tie=verdicts.count(NEAR_TIE), mismatch=verdicts.count(MISMATCH))
         del row["outputs"], row["reference"]
 
@@ -139,7 +140,6 @@ def main() -> None:
                               f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, {size:.1f} nodes/round", flush=True)
                 ref = next((g for g, r in cells if r["method"] == "ar"), None)
                 for gens, r in cells:
-                    r["differ"] = None if ref is None else sum(g.tokens != x.tokens for g, x in zip(gens, ref))
                     r["outputs"] = [g.tokens for g in gens]
                     r["reference"] = None if ref is None else [x.tokens for x in ref]
                     rows.append(r)
@@ -160,9 +160,9 @@ def main() -> None:
         ratio = med[c, m] / med[c, "ar"] if (c, "ar") in med else float("nan")
         mean = {k: statistics.mean(x[k] for x in group) for k in ("mean_latency_s", "p90_latency_s",
                                                                   "accepted_per_round", "tree_size")}
-        differ = ", ".join(f"{x['exact']}/{x['near_tie']}/{x['mismatch']}" for x in group)
+        verdicts = ", ".join(f"{x['exact']}/{x['near_tie']}/{x['mismatch']}" for x in group)
         print(f"| {c} | {m} | {med[c, m]:.1f} | {ratio:.2f}x | {mean['mean_latency_s']:.1f} | {mean['p90_latency_s']:.1f} "
-              f"| {mean['accepted_per_round']:.2f} | {mean['tree_size']:.1f} | {differ} |")
+              f"| {mean['accepted_per_round']:.2f} | {mean['tree_size']:.1f} | {verdicts} |")
     if args.out:
         import pyarrow as pa
         import pyarrow.parquet as pq

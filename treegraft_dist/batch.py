@@ -65,9 +65,10 @@ class BatchedTarget:
         self.items += len(items)
         # Every row whose next-token distribution decides something, through the output head at once: one
         # read of its weights (the largest matrix of a small model) instead of one per request.
-        rows = [h if w.kind == VERIFY else h[-1:] for w, h in zip(items, hidden) if self._decides(w)]
+        decides = [self._decides(w) for w in items]
+        rows = [h if w.kind == VERIFY else h[-1:] for w, h, d in zip(items, hidden, decides) if d]
         logits = iter(torch.split(self.lm.logits(torch.cat(rows)), [len(r) for r in rows]) if rows else ())
-        return [self._done(w, h, next(logits) if self._decides(w) else None) for w, h in zip(items, hidden)]
+        return [self._done(w, h, next(logits) if d else None) for w, h, d in zip(items, hidden, decides)]
 
     def release(self, rid: int) -> None:
         self.requests.pop(rid, None)
