@@ -104,3 +104,66 @@ def test_a_bad_setting_or_an_unsupported_dtype_is_a_clear_error(fresh_choice):
     fresh_choice.setenv(LINEAR_ENV, "auto")
     kernels.choice.cache_clear()
     assert not kernels.choice(torch.bfloat16).packed
+
+
+def padded(model, rows: int) -> CausalLM:
+    lm = CausalLM(copy.deepcopy(model))
+    kernels.pack(lm.model, pad_to=rows)
+    lm.packed = True
+    return lm
+
+
+def test_padded_small_products_give_each_row_what_it_gets_alone():
+    model = tiny_model("llama", seed=2)
+    plain, pad = packed(model), padded(model, 8)
+    assert kernels.padding_of(plain.model) == 1 and kernels.padding_of(pad.model) == 8
+    linear = next(m for m in pad.model.modules() if isinstance(m, PackedLinear) and m is not pad.head)
+    for rows in (1, 3, 7, 8, 9):
+        x = torch.randn(1, rows, linear.in_features)
+        out = linear(x)
+        linear.pad_to = 1
+        alone = linear(x)
+        linear.pad_to = 8
+        assert out.shape == alone.shape == (1, rows, linear.out_features)
+        assert torch.allclose(out, alone, rtol=1e-4, atol=1e-5) and not torch.equal(out, torch.zeros_like(out))
+    ids = torch.arange(5, 25)
+    c1, c2 = plain.new_cache(), pad.new_cache()
+    plain.hidden(c1, ids, torch.arange(20))
+    pad.hidden(c2, ids, torch.arange(20))
+    for n in (1, 2, 5):  # steps and small trees over the cache, padded against not
+        a = plain.logits(plain.hidden(c1, ids[:n] + 1, torch.arange(20, 20 + n)))
+        b = pad.logits(pad.hidden(c2, ids[:n] + 1, torch.arange(20, 20 + n)))
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (n, (a - b).abs().max())
+
+
+def test_speculation_with_padded_products_reproduces_greedy_decoding_in_fp32():
+    model = tiny_model("qwen3", seed=0)
+    target, middle = padded(model, 4), padded(perturbed_copy(model, 0.3, 1), 4)
+    prompt = [3, 9, 27, 81 % 96, 5, 3, 9, 27, 11, 40, 3, 9]
+    ref = Decoder(CausalLM(model)).generate(prompt, 32, "ar").tokens
+    dec = Decoder(target, middle, TreeConfig(budget=16))
+    for method in ("ar", "all-small", "all-mid", "01010"):
+        assert dec.generate(prompt, 32, method).tokens == ref, method
+
+
+def test_row_padding_is_measured_on_the_weights_and_can_be_set(monkeypatch):
+    model = tiny_model("llama", seed=1)
+    linears = [m for m in packed(model).model.modules() if isinstance(m, PackedLinear)]
+    monkeypatch.delenv(kernels.PAD_ENV, raising=False)
+    assert kernels.row_padding(linears) == 1  # a few kB stay in cache: nothing to measure, nothing padded
+    monkeypatch.setattr(kernels, "PAD_PROBE_BYTES", 1)  # measure on them anyway: the rule, on real timings
+    ms = kernels._sweep_ms(linears, range(1, 9))
+    assert set(ms) == set(range(1, 9)) and all(t > 0 for t in ms.values())
+    assert kernels.row_padding(linears) in (1, *kernels.PAD_CANDIDATES)
+    monkeypatch.setattr(kernels, "_sweep_ms", lambda stack, rows: {1: 42.0, 2: 45.0, 3: 39.0, 4: 36.0, 5: 36.0,
+                                                                   6: 35.0, 7: 42.0, 8: 42.0})
+    assert kernels.row_padding(linears) == 4
+    monkeypatch.setattr(kernels, "_sweep_ms", lambda stack, rows: {n: 40.0 - 0.1 * n for n in range(1, 9)})
+    assert kernels.row_padding(linears) == 1  # 8 rows 2% faster than one: within noise, not padded
+    monkeypatch.setenv(kernels.PAD_ENV, "off")
+    assert kernels.row_padding(linears) == 1
+    monkeypatch.setenv(kernels.PAD_ENV, "6")
+    assert kernels.row_padding(linears) == 6
+    monkeypatch.setenv(kernels.PAD_ENV, "many")
+    with pytest.raises(ValueError, match="use auto, off or a row count"):
+        kernels.row_padding(linears)

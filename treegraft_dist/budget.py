@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import compact
+from . import compact, kernels
 from .files import write_json
 from .hf import CausalLM, compact_cache
 from .precision import cpu_model
@@ -94,8 +94,10 @@ def model_key(lm: CausalLM, source: str) -> str:
     # and draft vocabulary too.
     vocab = "" if lm.draft_vocab is None else f"-v{len(lm.draft_vocab)}"
     kernel = f"-compact{compact.KERNEL_VERSION}" if lm.compact else ""  # and per revision of the compact kernel
+    pad = kernels.padding_of(lm.model) if lm.packed else 1  # and per row padding of its small products
+    packed = f"-packed{f'-pad{pad}' if pad > 1 else ''}" if lm.packed else ""
     return (f"{name}-{lm.num_params}-{str(lm.dtype).removeprefix('torch.')}{kernel}"
-            f"{'-packed' if lm.packed else ''}{'-int8' if lm.quantized else ''}{vocab}")
+            f"{packed}{'-int8' if lm.quantized else ''}{vocab}")
 
 
 def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:

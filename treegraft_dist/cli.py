@@ -94,7 +94,7 @@ def load_pair(args, need_middle: bool):
         return describe_model(t_src, t_tok, args.tp), (describe_model(m_src, m_tok) if m_src else None)
     target = load_model(t_src, args.device, args.dtype, t_tok)
     if target.lm.device.type == "cpu":
-        print(f"treegraft: {kernels.describe(target.lm.dtype)}", file=sys.stderr)
+        print(f"treegraft: {kernels.describe(target.lm.dtype, target.lm.model)}", file=sys.stderr)
         if target.lm.dtype == compact.DTYPE:
             print(f"treegraft: {compact.describe()}; target: {compact.summary(target.lm.model)}", file=sys.stderr)
     if m_src is None:

@@ -75,7 +75,7 @@ def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
         if bias is not None:
             head.bias.copy_(bias.detach()[index])
     if lm.packed:
-        kernels.pack(head)
+        kernels.pack(head, pad_to=kernels.padding_of(lm.model))  # too small to measure alone: the model's
     lm.draft_vocab, lm._draft_head = index, head
 
 

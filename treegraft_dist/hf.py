@@ -196,9 +196,12 @@ class CausalLM:
         """Run the decoder over `input_ids`, appending their keys and values to `cache`.
 
         `attend` of width n covers the new block only: every cached position is visible to every row.
-        The mask is always explicit, the causal one included, so that every pass (prefill, plain decoding,
-        tree verification) takes the same attention path.
+        The mask is always explicit, the causal one included. On a CPU a block of up to SMALL_BLOCK rows (a
+        plain step, a small tree) attends as a batched pass's blocks do (`small_block_attention`: 137 against
+        144 ms for a one-token step of the 1.5B target over 250 cached tokens, 144 against 177 over 1,000).
         """
+        if self.device.type == "cpu" and len(input_ids) <= SMALL_BLOCK:
+            return self.hidden_blocks([cache], [input_ids], [positions], [attend])
         mask = self._additive_mask(len(input_ids), cache_len(cache), attend)
         kwargs = {self._cache_kw: cache, "use_cache": True, "attention_mask": mask[None, None]}
         out = self.base(input_ids=input_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
