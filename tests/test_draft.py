@@ -161,3 +161,36 @@ def test_a_middle_profile_times_drafting_passes_and_one_from_before_is_measured_
     assert saved["pass"] == "drafting" and set(profile) == {1, 2, 4, 8, 16, 32, 64, 128}
     assert min(profile.values()) > 1e-6
     assert {int(k): v for k, v in saved["forward_ms"].items()} == profile
+
+
+@pytest.mark.skipif(kernels.int8_unsupported(torch.bfloat16) is not None,
+                    reason=f"{kernels.int8_unsupported(torch.bfloat16)}")
+def test_int8_linears_in_a_bf16_model_keep_its_dtype_and_stay_close():
+    model = tiny_model("llama", seed=6).to(torch.bfloat16)
+    ref = CausalLM(copy.deepcopy(model))
+    q = CausalLM(model)
+    n = kernels.quantize_int8(q.base)
+    assert n == sum(type(m) is torch.nn.Linear for m in ref.base.modules())
+    assert sum(type(m) is kernels.Int8Linear for m in q.base.modules()) == n
+    assert not any(type(m) is torch.nn.Linear for m in q.base.modules())
+    h_ref, h_q = hidden_rows(ref, 12), hidden_rows(q, 12)
+    assert h_q.dtype == torch.bfloat16
+    rel = ((h_q.float() - h_ref.float()).norm() / h_ref.float().norm()).item()
+    assert 0 < rel < 0.15, rel
+    agree = (ref.logits(h_ref).argmax(-1) == q.logits(h_q).argmax(-1)).float().mean()
+    assert agree >= 0.75, agree
+
+
+@pytest.mark.skipif(kernels.int8_unsupported(torch.bfloat16) is not None,
+                    reason=f"{kernels.int8_unsupported(torch.bfloat16)}")
+def test_an_int8_bf16_middle_drafter_changes_nothing_the_fp32_target_outputs():
+    target, middle = tiny_pair("qwen3", seed=5)
+    middle = CausalLM(middle.model.to(torch.bfloat16))
+    kernels.quantize_int8(middle.base)
+    middle.quantized = True
+    prompt = [7, 8, 9, 10, 7, 8, 9, 11, 12, 7, 8]
+    expected = hf_greedy(target, prompt, 24)
+    decoder = Decoder(target, middle, TreeConfig(budget=16))
+    for method in ("all-mid", "01010"):
+        assert decoder.generate(prompt, 24, method).tokens == expected, method
+    assert sum(decoder.generate(prompt, 24, "all-mid").stats.middle_calls) > 0

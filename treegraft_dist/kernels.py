@@ -215,8 +215,8 @@ INT8_ENV = "TREEGRAFT_DRAFT_INT8"  # auto (default) | on | off
 
 def int8_unsupported(dtype: torch.dtype) -> str | None:
     """Why int8 linears cannot replace this CPU model's linears, or None where they can."""
-    if dtype != torch.float32:
-        return f"int8 drafting runs on fp32 models only, not {str(dtype).removeprefix('torch.')}"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"int8 drafting runs on fp32, bf16 or fp16 models, not {str(dtype).removeprefix('torch.')}"
     engines = torch.backends.quantized.supported_engines
     if not {"x86", "fbgemm"} & set(engines):
         return f"this torch build has no x86 quantized engine (engines: {', '.join(engines)})"
@@ -237,25 +237,41 @@ def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     return layer
 
 
-def int8_probe() -> tuple[bool, str]:
-    """(int8 faster than the fp32 product this process runs at both 1 and 16 rows, what was measured)."""
+class Int8Linear(nn.Module):
+    """An int8 linear layer (`_int8_linear`) in a model of another precision: the quantized engine takes
+    and gives fp32, so activations are cast on the way in and out."""
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.float()).to(self.dtype)
+
+
+def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """(int8 faster than the `dtype` product this process runs at both 1 and 16 rows, what was measured)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g)
+    name = str(dtype).removeprefix("torch.")
     with torch.no_grad():
-        if choice(torch.float32).packed:
-            packed = _reorder(w)
-            fp32 = lambda x: _packed_linear(x, packed, None)  # noqa: E731
+        dense = w.to(dtype)
+        if choice(dtype).packed:
+            packed = _reorder(dense)
+            base = lambda x: _packed_linear(x, packed, None)  # noqa: E731
         else:
-            fp32 = lambda x: nn.functional.linear(x, w)  # noqa: E731
+            base = lambda x: nn.functional.linear(x, dense)  # noqa: E731
         q = _int8_linear(w)
+        if dtype != torch.float32:
+            q = Int8Linear(q, dtype)
     fns = {}
     for r in _PROBE_ROWS:
-        x = torch.randn(r, _PROBE_DIM, generator=g)
-        fns[r, "fp32"] = lambda x=x: fp32(x)
+        x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
+        fns[r, name] = lambda x=x: base(x)
         fns[r, "int8"] = lambda x=x: q(x)
     ms = best_ms(fns, _PROBE_REPEATS)
-    wins = all(ms[r, "int8"] < ms[r, "fp32"] for r in _PROBE_ROWS)
-    text = ", ".join(f"{r} rows: fp32 {ms[r, 'fp32']:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in _PROBE_ROWS)
+    wins = all(ms[r, "int8"] < ms[r, name] for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} rows: {name} {ms[r, name]:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in _PROBE_ROWS)
     return wins, f"probe {text}"
 
 
@@ -280,13 +296,13 @@ def int8_choice(dtype: torch.dtype) -> Int8Choice:
         return Int8Choice(False, why_not)
     if mode == "on":
         return Int8Choice(True, f"${INT8_ENV}=on")
-    wins, measured = int8_probe()
+    wins, measured = int8_probe(dtype)
     return Int8Choice(wins, f"{measured} ({'int8' if wins else 'int8 not faster at every size'})")
 
 
 def quantize_int8(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU fp32 `model` by an int8 one (weights per output channel,
-    dynamic activations); returns how many. The weights are final afterwards."""
+    """Replace every `nn.Linear` of a CPU fp32, bf16 or fp16 `model` by an int8 one (weights per output
+    channel, dynamic activations; `Int8Linear` outside fp32); returns how many. The weights are final afterwards."""
     count = 0
     with torch.no_grad():
         for parent in list(model.modules()):
@@ -294,6 +310,8 @@ def quantize_int8(model: nn.Module) -> int:
                 if type(child) is not nn.Linear:
                     continue
                 bias = None if child.bias is None else child.bias.detach().float()
-                setattr(parent, name, _int8_linear(child.weight.detach().float(), bias))
+                layer = _int8_linear(child.weight.detach().float(), bias)
+                dtype = child.weight.dtype
+                setattr(parent, name, layer if dtype == torch.float32 else Int8Linear(layer, dtype))
                 count += 1
     return count
