@@ -118,7 +118,8 @@ def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, flo
         if measured and ms > MAX_COST_RATIO * measured[CANDIDATES[0]]:
             break
         measured[b] = ms
-    # A bigger block never costs less: a dip is timing noise, so take the lower envelope from above.
+    # A bigger block never costs less: a pass of fewer rows than the padded count runs as that count
+    # (kernels.row_padding), and any other dip is timing noise, so take the lower envelope from above.
     profile, floor = {}, float("inf")
     for b in sorted(measured, reverse=True):
         floor = min(floor, measured[b])
