@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
+from treegraft_dist import hf
 from treegraft_dist.config import TreeConfig
 from treegraft_dist.engine import Decoder, draft_tree, speculate
 from treegraft_dist.hf import CausalLM
@@ -152,13 +153,26 @@ def test_middle_required_for_middle_schedules():
 
 
 def test_eager_and_sdpa_attention_agree():
-    # The tree mask is an additive float mask, which both attention kernels accept.
-    model = tiny_model("qwen3", attn="eager")
-    target = CausalLM(model)
-    mid = CausalLM(perturbed_copy(model, 0.2, 3))
+    # The tree mask is an additive float mask, which both attention kernels accept. Blocks of more than
+    # SMALL_BLOCK rows (prefill, big trees) attend through the model's own implementation, smaller ones on a
+    # CPU through small_block_attention: both paths, under both implementations, give the same hidden states.
+    eager, sdpa = CausalLM(tiny_model("qwen3", attn="eager")), CausalLM(tiny_model("qwen3", attn="sdpa"))
+    assert eager.model.config._attn_implementation == "eager" and sdpa.model.config._attn_implementation == "sdpa"
     prompt = [4, 4, 2, 7, 1, 4, 4, 2] * 3
-    assert Decoder(target, mid).generate(prompt, 30, "10101").tokens == hf_greedy(target, prompt, 30)
-    torch.testing.assert_close(torch.tensor(0.0), torch.tensor(0.0))
+    tree = torch.tril(torch.ones(20, 20, dtype=torch.bool))
+    tree[5:, 2:5] = False  # rows 5.. skip three positions: a tree block, not a causal one
+    caches = [eager.new_cache(), sdpa.new_cache()]
+    for n, attend in ((len(prompt), None), (20, tree), (6, tree[:6, :6]), (1, None)):
+        past = hf.cache_len(caches[0])
+        ids, pos = torch.arange(1, n + 1) % VOCAB, torch.arange(past, past + n)
+        a, b = (lm.hidden(c, ids, pos, attend) for lm, c in zip((eager, sdpa), caches))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert a.abs().sum() > 0
+    mid = CausalLM(perturbed_copy(eager.model, 0.2, 3))
+    expected = hf_greedy(eager, prompt, 30)
+    assert expected == hf_greedy(sdpa, prompt, 30)
+    assert Decoder(eager, mid).generate(prompt, 30, "10101").tokens == expected
+    assert Decoder(sdpa, mid).generate(prompt, 30, "10101").tokens == expected
 
 
 @pytest.mark.parametrize("pattern", ["00000", "10000", "01100", "11111"])
