@@ -68,7 +68,7 @@ def main() -> None:
     root = prepare.cache_root()
     target = load_model(str(root / TARGET), "cpu", args.dtype)
     middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True)
-    pad = max(kernels.padding_of(target.lm.model), 1)
+    pad = kernels.padding_of(target.lm.model)
     print(f"{kernels.describe(target.lm.dtype, target.lm.model)}\nmiddle row padding: "
           f"{kernels.padding_of(middle.lm.model)}", flush=True)
     if pad == 1:

@@ -189,8 +189,8 @@ def row_padding(linears: list[PackedLinear]) -> int:
 def _sweep_ms(stack: list[PackedLinear], rows) -> dict[int, float]:
     """Best ms of one product per layer of `stack`, for each row count."""
     dtype = stack[0].packed_weight.dtype
-    inputs = {n: {m.in_features for m in stack} for n in rows}
-    xs = {n: {d: torch.zeros(n, d, dtype=dtype).normal_() for d in dims} for n, dims in inputs.items()}
+    dims = {m.in_features for m in stack}
+    xs = {n: {d: torch.zeros(n, d, dtype=dtype).normal_() for d in dims} for n in rows}
 
     def sweep(n):
         for m in stack:
@@ -249,6 +249,12 @@ class Int8Linear(nn.Module):
         return self.inner(x.float()).to(self.dtype)
 
 
+def _int8_layer(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """The int8 layer for an fp32 `weight` in a model of `dtype` (wrapped outside fp32)."""
+    layer = _int8_linear(weight, bias)
+    return layer if dtype == torch.float32 else Int8Linear(layer, dtype)
+
+
 def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     """(int8 faster than the `dtype` product this process runs at both 1 and 16 rows, what was measured)."""
     g = torch.Generator().manual_seed(0)
@@ -261,9 +267,7 @@ def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
             base = lambda x: _packed_linear(x, packed, None)  # noqa: E731
         else:
             base = lambda x: nn.functional.linear(x, dense)  # noqa: E731
-        q = _int8_linear(w)
-        if dtype != torch.float32:
-            q = Int8Linear(q, dtype)
+        q = _int8_layer(w, None, dtype)
     fns = {}
     for r in _PROBE_ROWS:
         x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
@@ -310,8 +314,6 @@ def quantize_int8(model: nn.Module) -> int:
                 if type(child) is not nn.Linear:
                     continue
                 bias = None if child.bias is None else child.bias.detach().float()
-                layer = _int8_linear(child.weight.detach().float(), bias)
-                dtype = child.weight.dtype
-                setattr(parent, name, layer if dtype == torch.float32 else Int8Linear(layer, dtype))
+                setattr(parent, name, _int8_layer(child.weight.detach().float(), bias, child.weight.dtype))
                 count += 1
     return count
