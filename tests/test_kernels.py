@@ -26,9 +26,9 @@ def fresh_choice(monkeypatch):
     kernels.choice.cache_clear()
 
 
-def packed(model) -> CausalLM:
+def packed(model, pad_to: int | None = None) -> CausalLM:
     lm = CausalLM(copy.deepcopy(model))
-    kernels.pack(lm.model)
+    kernels.pack(lm.model, pad_to)
     lm.packed = True
     return lm
 
@@ -106,16 +106,9 @@ def test_a_bad_setting_or_an_unsupported_dtype_is_a_clear_error(fresh_choice):
     assert not kernels.choice(torch.bfloat16).packed
 
 
-def padded(model, rows: int) -> CausalLM:
-    lm = CausalLM(copy.deepcopy(model))
-    kernels.pack(lm.model, pad_to=rows)
-    lm.packed = True
-    return lm
-
-
 def test_padded_small_products_give_each_row_what_it_gets_alone():
     model = tiny_model("llama", seed=2)
-    plain, pad = packed(model), padded(model, 8)
+    plain, pad = packed(model), packed(model, 8)
     assert kernels.padding_of(plain.model) == 1 and kernels.padding_of(pad.model) == 8
     linear = next(m for m in pad.model.modules() if isinstance(m, PackedLinear) and m is not pad.head)
     for rows in (1, 3, 7, 8, 9):
@@ -138,7 +131,7 @@ def test_padded_small_products_give_each_row_what_it_gets_alone():
 
 def test_speculation_with_padded_products_reproduces_greedy_decoding_in_fp32():
     model = tiny_model("qwen3", seed=0)
-    target, middle = padded(model, 4), padded(perturbed_copy(model, 0.3, 1), 4)
+    target, middle = packed(model, 4), packed(perturbed_copy(model, 0.3, 1), 4)
     prompt = [3, 9, 27, 81 % 96, 5, 3, 9, 27, 11, 40, 3, 9]
     ref = Decoder(CausalLM(model)).generate(prompt, 32, "ar").tokens
     dec = Decoder(target, middle, TreeConfig(budget=16))
