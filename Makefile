@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
 	$(VENV)/bin/pip install -q -e ".[test]"
-	$(VENV)/bin/python -m treegraft_dist.compact
+	$(VENV)/bin/python -m treegraft_dist.models.compact
 	touch $(STAMP)
 
 setup: $(STAMP)

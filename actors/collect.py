@@ -26,14 +26,23 @@ import ray
 import torch
 from tqdm import tqdm
 
-from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt
-from treegraft_dist.budget import CANDIDATES
-from treegraft_dist.collect import (HELD_OUT_BENCHMARKS, MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, CostModel,
-                                    part_name, records_table, write_part)
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.device_scheduler import PROFILE_KEY, device_costs, profile_key
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import CANDIDATES
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.files import write_json
-from treegraft_dist.models import load_model, load_tokenizer
+from treegraft_dist.models.loading import load_model, load_tokenizer
+from treegraft_dist.scheduling.collect import (
+    HELD_OUT_BENCHMARKS,
+    MANIFEST,
+    ROUNDS_DIR,
+    SCHEMA_VERSION,
+    Collector,
+    CostModel,
+    part_name,
+    records_table,
+    write_part,
+)
+from treegraft_dist.scheduling.device import PROFILE_KEY, device_costs, profile_key
 
 LOCAL_OBJECT_STORE = 512 * 1024**2
 COLLECT_BENCHMARKS = tuple(b for b in BENCHMARKS if b not in HELD_OUT_BENCHMARKS)
@@ -92,7 +101,7 @@ def _load(cfg: dict):
 def _measure(cfg: dict, context: list[int]) -> dict:
     target, middle = _load(cfg)
     cache = Path(cfg["cache_dir"]) if cfg.get("cache_dir") else None
-    from treegraft_dist.prepare import cache_root
+    from treegraft_dist.models.prepare import cache_root
 
     cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(cache), context,
                         TreeConfig(**cfg["tree"]))

@@ -19,17 +19,27 @@ import threading
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import (AR_METHOD, Generation, check_request, decode_plain, finish, resolve_policy,
-                                   round_config, speculate, start_drafters, truncate)
-from treegraft_dist.ngram import NGramDrafter
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.schedule import SchedulePolicy
-from treegraft_dist.signals import Timings, context_signals
-from treegraft_dist.sizing import LoadBudget
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
-from treegraft_dist.verify import Verdict
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import (
+    AR_METHOD,
+    Generation,
+    check_request,
+    decode_plain,
+    finish,
+    resolve_policy,
+    round_config,
+    speculate,
+    start_drafters,
+    truncate,
+)
+from treegraft_dist.decoding.ngram import NGramDrafter
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.schedule import SchedulePolicy
+from treegraft_dist.decoding.signals import Timings, context_signals
+from treegraft_dist.decoding.sizing import LoadBudget
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
+from treegraft_dist.decoding.verify import Verdict
 
 from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter, RoundDrafter, RoundSpec
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources

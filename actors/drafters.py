@@ -19,15 +19,15 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from treegraft_dist.budget import forward_ms
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Drafting, draft_layer, draft_layers
-from treegraft_dist.models import load_model
-from treegraft_dist.neural import NeuralDrafter
-from treegraft_dist.ngram import NGramDrafter, PrefillCache
-from treegraft_dist.schedule import SchedulePolicy
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import DraftTree, Proposal
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import forward_ms
+from treegraft_dist.decoding.engine import Drafting, draft_layer, draft_layers
+from treegraft_dist.decoding.neural import NeuralDrafter
+from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache
+from treegraft_dist.decoding.schedule import SchedulePolicy
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import DraftTree, Proposal
+from treegraft_dist.models.loading import load_model
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Generation
-from treegraft_dist.models import load_config
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.signals import Timings
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Generation
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.signals import Timings
+from treegraft_dist.models.loading import load_config
 
 from .coordinator import Coordinator
 from .resources import COORDINATOR_BUNDLE, Resources, reserve
@@ -73,7 +73,7 @@ class DistributedEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
                  seed: int = 0, sampling: SamplingParams | None = None) -> Generation:
-        """Same arguments and result as `treegraft_dist.engine.Decoder.generate`."""
+        """Same arguments and result as `treegraft_dist.decoding.engine.Decoder.generate`."""
         return self.result(self.submit(prompt_ids, max_new_tokens, method, eos_ids, seed, sampling))
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int, method="all-small", eos_ids=(),

@@ -21,13 +21,13 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work, take_pass
-from treegraft_dist.budget import PROFILE_PAST, forward_ms
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.models import check_supported, load_config, load_model, pick_dtype
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.tree import DraftTree
-from treegraft_dist.verify import Verdict
+from treegraft_dist.decoding.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work, take_pass
+from treegraft_dist.decoding.costs import PROFILE_PAST, forward_ms
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.tree import DraftTree
+from treegraft_dist.decoding.verify import Verdict
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import check_supported, load_config, load_model, pick_dtype
 
 from .resources import Resources, reserve
 

@@ -18,7 +18,6 @@ import statistics
 import sys
 
 import torch
-
 from bench_round import GENERATE, load_revisions, per_round_ms
 
 METHODS = ("ar", GENERATE)

@@ -33,16 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import for_device  # noqa: E402
-from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
-from treegraft_dist.config import TreeConfig  # noqa: E402
-from treegraft_dist.schedule import ShallowTreeHeuristic  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
+from treegraft_dist.decoding.schedule import ShallowTreeHeuristic  # noqa: E402
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
 
 
 def pair_paths(kind: str, folder: str):
     """(target folder, middle folder, tokenizer)."""
     if kind == "embedded":
-        from treegraft_dist.models import load_tokenizer
-        from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
+        from treegraft_dist.models.loading import load_tokenizer
+        from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
 
         t, m = str(prepare_model(DEFAULT_TARGET)), str(prepare_model(DEFAULT_MIDDLE))
         return t, m, load_tokenizer(t)
@@ -80,8 +80,8 @@ def judge(rows: list[dict], prompts: list[list[int]], target_path: str, dtype: s
     """Each run's outputs against ar's at the same concurrency, by the target's own logits at the first
     difference (lossless.classify): exact, near-tie (bf16 rounding) or mismatch. The target is loaded here
     once the engines are gone."""
-    from treegraft_dist.lossless import EXACT, MISMATCH, NEAR_TIE, classify
-    from treegraft_dist.models import load_model
+    from treegraft_dist.evaluation.lossless import EXACT, MISMATCH, NEAR_TIE, classify
+    from treegraft_dist.models.loading import load_model
 
     lm = None
     if any(o != r for row in rows if row["reference"] for o, r in zip(row["outputs"], row["reference"])):

@@ -29,9 +29,9 @@ from tiny import VOCAB, char_tokenizer, perturbed_copy, save_tiny, tiny_model  #
 
 from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import Resources  # noqa: E402
-from treegraft_dist.config import TreeConfig  # noqa: E402
-from treegraft_dist.engine import Decoder  # noqa: E402
-from treegraft_dist.hf import CausalLM  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
+from treegraft_dist.decoding.engine import Decoder  # noqa: E402
+from treegraft_dist.models.hf import CausalLM  # noqa: E402
 
 SCHEDULES = ("all-small", "01001", "all-mid")
 
@@ -119,9 +119,9 @@ def print_rounds(what: str, rows) -> None:
 
 def embedded_pair(args, schedules: list[str]) -> None:
     """Per-round overhead on the embedded pair: the single-process Decoder against the actors."""
-    from treegraft_dist.benchmarks import builtin, chat_prompt
-    from treegraft_dist.models import load_model
-    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
+    from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+    from treegraft_dist.models.loading import load_model
+    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
 
     paths = str(prepare_model(DEFAULT_TARGET)), str(prepare_model(DEFAULT_MIDDLE))
     target = load_model(paths[0], "cpu", "float32")

@@ -3,7 +3,7 @@ and whether computing the lm head in fp32 reduces that.
 
 Two measurements:
 
-  --rounding   the figures behind `treegraft_dist.lossless.ROUNDING_FACTOR`. For each model and dtype, the
+  --rounding   the figures behind `treegraft_dist.evaluation.lossless.ROUNDING_FACTOR`. For each model and dtype, the
                target's greedy continuation of a prompt is computed three ways over the same positions:
                one token per pass (as `ar` decodes), blocks of 8 tokens per pass after the prefill (as a
                verification pass sees them), and one causal pass over everything (as `lossless.classify`
@@ -47,11 +47,11 @@ from pathlib import Path
 
 import torch
 
-from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder, truncate
-from treegraft_dist.hf import CausalLM, cache_len
-from treegraft_dist.lossless import classify, tolerance
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder, truncate
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.evaluation.lossless import classify, tolerance
+from treegraft_dist.models.hf import CausalLM, cache_len
 
 DEFAULT_MODEL = "~/.cache/treegraft/models/qwen2.5-coder-1.5b-instruct"
 
@@ -147,7 +147,7 @@ def run_rounding(args) -> None:
             rows += rounding_rows(name, lm, prompts, args.tokens)
             print(*_fmt(rows[-3:]), sep="\n", flush=True)
     if args.real:
-        from treegraft_dist.models import load_model
+        from treegraft_dist.models.loading import load_model
 
         target = load_model(os.path.expanduser(args.model), "cpu", "bfloat16")
         prompts = [chat_prompt(target.tokenizer, [builtin(b)[0].turns[0]], []) for b in args.benchmarks.split(",")]
@@ -169,7 +169,7 @@ def _fmt(rows):
 
 # -- flips ----------------------------------------------------------------------------------------------
 def run_flips(args) -> None:
-    from treegraft_dist.models import load_model
+    from treegraft_dist.models.loading import load_model
 
     target = load_model(os.path.expanduser(args.model), "cpu", "bfloat16")
     eos = target.eos_ids

@@ -1,5 +1,5 @@
 """CPU linear layers side by side on the embedded target: PyTorch's stock `nn.Linear`, oneDNN on packed
-weights (treegraft_dist/kernels.py) and the compact exact fp32 kernel (treegraft_dist/compact.py).
+weights (treegraft_dist/models/kernels.py) and the compact exact fp32 kernel (treegraft_dist/models/compact.py).
 
 The target is loaded once per variant (`--variants`, default packed and compact; the first is the
 reference) and all are measured in turn in one process. `compact@REV` runs compact weights through the
@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 
-from treegraft_dist import compact, kernels
-from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.budget import forward_ms
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
-from treegraft_dist.models import load_model, pick_dtype
-from treegraft_dist.precision import cpu_model
-from treegraft_dist.prepare import DEFAULT_TARGET, prepare_model
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import forward_ms
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.models.loading import compact, kernels, load_model, pick_dtype
+from treegraft_dist.models.precision import cpu_model
+from treegraft_dist.models.prepare import DEFAULT_TARGET, prepare_model
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 

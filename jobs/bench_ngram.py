@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import draft_tree
-from treegraft_dist.ngram import NGramDrafter, PrefillCache
-from treegraft_dist.schedule import fixed_schedule
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import DraftTree
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import draft_tree
+from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache
+from treegraft_dist.decoding.schedule import fixed_schedule
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import DraftTree
 
 DEFAULT_DATA = "/work/shared/data/benchmarks"
 PREFILL_TOP_K = 10  # the target's top-k stored per prompt position during prefill

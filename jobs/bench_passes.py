@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from treegraft_dist import benchmarks, hf, kernels, lossless, prepare  # noqa: E402
-from treegraft_dist.config import TreeConfig  # noqa: E402
-from treegraft_dist.engine import Decoder  # noqa: E402
-from treegraft_dist.models import load_model  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
+from treegraft_dist.decoding.engine import Decoder  # noqa: E402
+from treegraft_dist.models.loading import load_model  # noqa: E402
 
 TARGET, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 GENERATE = "generate"  # transformers' own greedy generate on the same model

@@ -31,15 +31,15 @@ import numpy as np
 import torch
 
 from jobs.bench_ngram import synthetic_prefill
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import draft_tree
-from treegraft_dist.ngram import NGramDrafter, PrefillCache
-from treegraft_dist.schedule import CallablePolicy
-from treegraft_dist.scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
-from treegraft_dist.signals import SIGNAL_NAMES, Timings, compute_signals, context_signals
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import ORIGIN_MIDDLE, DraftTree, Proposal
-from treegraft_dist.value import ValueHeads, ValuePlanner
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import draft_tree
+from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache
+from treegraft_dist.decoding.schedule import CallablePolicy
+from treegraft_dist.decoding.scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
+from treegraft_dist.decoding.signals import SIGNAL_NAMES, Timings, compute_signals, context_signals
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, DraftTree, Proposal
+from treegraft_dist.scheduling.value import ValueHeads, ValuePlanner
 
 TARGET_MS = 0.35
 CONTEXT = 1000

@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
-from treegraft_dist.budget import latency_profile  # noqa: E402
-from treegraft_dist.config import TreeConfig  # noqa: E402
-from treegraft_dist.engine import Decoder  # noqa: E402
-from treegraft_dist.models import load_model  # noqa: E402
-from treegraft_dist.prepare import cache_root  # noqa: E402
-from treegraft_dist.sizing import TreeSizer  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
+from treegraft_dist.decoding.costs import latency_profile  # noqa: E402
+from treegraft_dist.decoding.engine import Decoder  # noqa: E402
+from treegraft_dist.decoding.sizing import TreeSizer  # noqa: E402
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
+from treegraft_dist.models.loading import load_model  # noqa: E402
+from treegraft_dist.models.prepare import cache_root  # noqa: E402
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 MIDDLE = "qwen2.5-coder-0.5b-instruct"

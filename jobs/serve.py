@@ -29,12 +29,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import AR_METHOD, resolve_policy
-from treegraft_dist.models import describe_model
-from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
-from treegraft_dist.serving import (DONE, ApiError, ApiRequest, ServedModel, ServingMetrics, TextStream, chunk_body,
-                                    parse_request, response_body, sse, usage_chunk)
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import AR_METHOD, resolve_policy
+from treegraft_dist.models.loading import describe_model
+from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
+from treegraft_dist.serving import (
+    DONE,
+    ApiError,
+    ApiRequest,
+    ServedModel,
+    ServingMetrics,
+    TextStream,
+    chunk_body,
+    parse_request,
+    response_body,
+    sse,
+    usage_chunk,
+)
 
 api = FastAPI(title="treegraft-dist", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -91,8 +102,8 @@ class OpenAIServer:
 
     @staticmethod
     def _treegraft_policy(scheduler: str | None, pair):
-        from treegraft_dist.schedule import ShallowTreeHeuristic
-        from treegraft_dist.value import load_artifact
+        from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
+        from treegraft_dist.scheduling.value import load_artifact
 
         return load_artifact(scheduler, expect_pair=pair)[0] if scheduler else ShallowTreeHeuristic()
 

@@ -11,7 +11,7 @@ no budget.
          -> DIR/results.parquet (every cell of the grid), DIR/summary.md (one table per pair and dtype),
             DIR/<pair>--<dtype>/summary.md, summary.csv, speedup.png
 
-Rows, verdicts, tables and charts are `treegraft eval`'s (treegraft_dist/evaluate.py); a row adds the pair,
+Rows, verdicts, tables and charts are `treegraft eval`'s (treegraft_dist/evaluation/evaluate.py); a row adds the pair,
 the dtype and the generated ids (a stored ar row is the reference of cells run later). The driver writes
 every file, so only it needs DIR; model folders must be readable on every node. Rerunning over DIR skips
 every cell whose file exists; DIR/sweep.json records what must not change between runs (each pair's models,
@@ -34,16 +34,27 @@ import pyarrow.parquet as pq
 import yaml
 from tqdm import tqdm
 
-from treegraft_dist.benchmarks import BENCHMARKS, BenchmarkError, Question, builtin, chat_prompt
-from treegraft_dist.collect import part_name
-from treegraft_dist.engine import AR_METHOD
-from treegraft_dist.evaluate import (ALL_METHODS, PUBLISHED, SIZED, EvalConfig, Evaluation, is_method, is_ours,
-                                     row_verdict, select_questions, summarize, write_parquet_atomic)
+from treegraft_dist.decoding.engine import AR_METHOD
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, BenchmarkError, Question, builtin, chat_prompt
+from treegraft_dist.evaluation.evaluate import (
+    ALL_METHODS,
+    PUBLISHED,
+    SIZED,
+    EvalConfig,
+    Evaluation,
+    is_method,
+    is_ours,
+    row_verdict,
+    select_questions,
+    summarize,
+    write_parquet_atomic,
+)
+from treegraft_dist.evaluation.lossless import MISMATCH
+from treegraft_dist.evaluation.peers import PEER_METHODS
 from treegraft_dist.files import write_json, write_text
-from treegraft_dist.lossless import MISMATCH
-from treegraft_dist.models import DTYPES, ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
-from treegraft_dist.peers import PEER_METHODS
-from treegraft_dist.prepare import PrepareError, resolve_model_path
+from treegraft_dist.models.loading import DTYPES, ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
+from treegraft_dist.models.prepare import PrepareError, resolve_model_path
+from treegraft_dist.scheduling.collect import part_name
 
 CELLS_DIR = "cells"
 MANIFEST = "sweep.json"

@@ -8,12 +8,12 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from tiny import VOCAB, hf_greedy, tiny_pair
-from treegraft_dist.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
-from treegraft_dist.verify import TargetVerifier, forward_blocks
+
+from treegraft_dist.decoding.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.decoding.verify import TargetVerifier, forward_blocks
 
 
 def chain_tree(root: int, tokens: list[int], wrong_sibling: int | None = None) -> DraftTree:
@@ -105,7 +105,7 @@ def test_one_item_per_request_in_a_pass():
 
 
 def test_a_pass_takes_the_oldest_then_rounds_before_prompt_chunks():
-    from treegraft_dist.batch import take_pass
+    from treegraft_dist.decoding.batch import take_pass
 
     def chunk(rid, rows):
         return Work(PREFILL, rid, start=0, end=rows)

@@ -5,13 +5,13 @@ import csv
 
 import pyarrow.parquet as pq
 import pytest
+from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model, write_trajectories
 
 from jobs import check_projection
-from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model, write_trajectories
-from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.collect import CostModel
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.models import load_model
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.models.loading import load_model
+from treegraft_dist.scheduling.collect import CostModel
 
 FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}
 ELSEWHERE = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 2: 5.2, 4: 5.5, 8: 6.0, 16: 7.0})

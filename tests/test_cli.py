@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
+
 from treegraft_dist.cli import main
-from treegraft_dist.hf import CausalLM
+from treegraft_dist.models.hf import CausalLM
 
 
 @pytest.fixture(scope="module")

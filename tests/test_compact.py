@@ -5,14 +5,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from tiny import perturbed_copy, tiny_model
-from treegraft_dist import compact, kernels
-from treegraft_dist.budget import model_key
-from treegraft_dist.compact import CompactLinear, Groups
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
-from treegraft_dist.hf import CausalLM
+
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import model_key
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.models.compact import CompactLinear, Groups
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import compact, kernels
 
 pytestmark = pytest.mark.skipif(compact._extension()[0] is None, reason=str(compact._extension()[1]))
 
@@ -130,7 +130,7 @@ def test_speculation_on_compact_models_reproduces_greedy_decoding_in_fp32(arch, 
 
 
 def test_a_drafting_head_over_some_ids_is_compact_too(fresh_choice):
-    from treegraft_dist import draft
+    from treegraft_dist.models.loading import draft
 
     fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
     lm = CausalLM(bf16_exact(tiny_model("llama", seed=5)))
@@ -185,7 +185,8 @@ def random_blocks(kind: str, n_blocks: int, seed: int) -> np.ndarray:
 def test_gguf_blocks_become_groups_that_reproduce_their_dequantized_values(kind, tmp_path):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from treegraft_dist.prepare import _group_params
+
+    from treegraft_dist.models.prepare import _group_params
 
     qtype = GGMLQuantizationType[kind]
     small = not kind.endswith("_K")  # blocks of 32 (rows of 64 here) or of 256 columns
@@ -207,7 +208,8 @@ def test_gguf_blocks_become_groups_that_reproduce_their_dequantized_values(kind,
 def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path):
     import gguf
     from gguf.quants import quantize
-    from treegraft_dist.prepare import write_weight_groups
+
+    from treegraft_dist.models.prepare import write_weight_groups
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 64)).astype(np.float32)

@@ -8,16 +8,23 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from tiny import char_tokenizer, perturbed_copy, tiny_model, write_trajectories
-from treegraft_dist import device_scheduler
-from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.collect import CostModel, read_trajectories
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.device_scheduler import (PROFILE_KEY, check_profile, measured_budgets, priced, profile_key,
-                                             resolve_scheduler, scheduler_for_device)
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.scheduler import SchedulerArtifactError
+
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.scheduler import SchedulerArtifactError
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.scheduling import device
+from treegraft_dist.scheduling.collect import CostModel, read_trajectories
+from treegraft_dist.scheduling.device import (
+    PROFILE_KEY,
+    check_profile,
+    measured_budgets,
+    priced,
+    profile_key,
+    resolve_scheduler,
+    scheduler_for_device,
+)
 
 PAIR = ("tiny-t", "tiny-m")
 TREE = TreeConfig(budget=16)
@@ -123,7 +130,7 @@ def test_budgets_are_limited_to_what_the_device_measured(shipped):
 
 
 def test_a_profile_measured_on_a_busy_machine_is_measured_again(models, tmp_path, capsys):
-    from treegraft_dist.budget import latency_profile
+    from treegraft_dist.decoding.costs import latency_profile
 
     target, _ = models
     first = latency_profile(target, "tiny-t", tmp_path)

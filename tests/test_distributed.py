@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import ray
 import torch
+from tiny import VOCAB, char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
 
 from actors.engine import DistributedEngine
 from actors.resources import PlacementError, Resources
 from actors.target import TargetGroupError
-from tiny import VOCAB, char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
-from treegraft_dist.engine import Decoder
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.schedule import ShallowTreeHeuristic
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
+from treegraft_dist.models.hf import CausalLM
 
 # Trees at the full budget under concurrency too (adapt_budget off): concurrent requests' trees, not plain
 # steps, share the passes here; the serve tests run the adaptive default.

@@ -6,16 +6,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from tiny import VOCAB, char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model, tiny_pair
-from treegraft_dist import draft, kernels
-from treegraft_dist.budget import model_key
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.models import load_model
-from treegraft_dist.neural import NeuralDrafter
-from treegraft_dist.tree import DraftTree, Proposal, ORIGIN_NGRAM
+
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import model_key
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.neural import NeuralDrafter
+from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import draft, kernels, load_model
 
 SUBSET = 40  # of the tiny vocabulary's 96 ids
 
@@ -147,8 +146,8 @@ def test_load_model_makes_the_middle_cheap_and_keys_its_profile_by_it(tmp_path, 
 def test_a_middle_profile_times_drafting_passes_and_one_from_before_is_measured_again(tmp_path):
     import json
 
-    from treegraft_dist.budget import device_name
-    from treegraft_dist.collect import middle_profile
+    from treegraft_dist.decoding.costs import device_name
+    from treegraft_dist.scheduling.collect import middle_profile
 
     _, middle = tiny_pair(seed=10)
     draft.set_draft_vocabulary(middle, draft.draft_vocabulary(VOCAB, SUBSET, set()))

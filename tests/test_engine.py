@@ -7,19 +7,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
-from treegraft_dist import hf
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder, draft_tree, speculate
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.neural import NeuralDrafter
-from treegraft_dist.ngram import NGramDrafter
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.schedule import ReplaySchedule, fixed_schedule
-from treegraft_dist.signals import NUM_SIGNALS
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.verify import TargetVerifier
+
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder, draft_tree, speculate
+from treegraft_dist.decoding.neural import NeuralDrafter
+from treegraft_dist.decoding.ngram import NGramDrafter
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.schedule import ReplaySchedule, fixed_schedule
+from treegraft_dist.decoding.signals import NUM_SIGNALS
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.verify import TargetVerifier
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import hf
 
 PAIRS = {}
 

@@ -7,13 +7,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
-from treegraft_dist.benchmarks import BenchmarkError, builtin, load_questions
+
 from treegraft_dist.cli import main
-from treegraft_dist.evaluate import EvalConfig, Evaluation
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.models import LoadedModel
+from treegraft_dist.evaluation.benchmarks import BenchmarkError, builtin, load_questions
+from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import LoadedModel
 
 METHODS = ["ar", "all-small", "all-mid", "treegraft", "01001", "hf-pld", "hf-assisted"]
 
@@ -177,7 +177,7 @@ def test_benchmarks_ship_with_the_package_and_validate(tmp_path):
 
 
 def test_prompts_go_round_robin_over_benchmarks(bench_file):
-    from treegraft_dist.evaluate import select_questions
+    from treegraft_dist.evaluation.evaluate import select_questions
 
     cfg = EvalConfig(benchmarks=["gsm8k", "qa"], benchmark_files=[bench_file], prompts_per_benchmark=2)
     got = [(q.question_id, q.turns[0]) for q in select_questions(cfg)]
@@ -190,11 +190,11 @@ def artifact(pair, tmp_path_factory):
     """A scheduler fitted on rounds collected from the tiny pair (pair names: tiny-target, tiny-middle)."""
     import pyarrow as pa
 
-    from treegraft_dist.benchmarks import chat_prompt
-    from treegraft_dist.collect import Collector, CostModel, Trajectories, records_table
-    from treegraft_dist.config import TreeConfig
-    from treegraft_dist.device_scheduler import PROFILE_KEY, profile_key
-    from treegraft_dist.fit import fit
+    from treegraft_dist.decoding.config import TreeConfig
+    from treegraft_dist.evaluation.benchmarks import chat_prompt
+    from treegraft_dist.scheduling.collect import Collector, CostModel, Trajectories, records_table
+    from treegraft_dist.scheduling.device import PROFILE_KEY, profile_key
+    from treegraft_dist.scheduling.fit import fit
 
     target, middle = pair
     cost = CostModel("test", 0.2, 0.1, {1: 3.0, 16: 4.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
@@ -216,7 +216,7 @@ def artifact(pair, tmp_path_factory):
 
 
 def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifact, tmp_path):
-    from treegraft_dist.value import load_artifact
+    from treegraft_dist.scheduling.value import load_artifact
 
     target, middle = pair
     cfg = EvalConfig(benchmarks=["gsm8k", "mt_bench"], methods=["all-small", "treegraft", "value-planner", "oracle"],
@@ -262,7 +262,7 @@ def test_the_oracle_is_refused_on_a_distributed_engine(pair, artifact, tmp_path)
 
 
 def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair, tmp_path):
-    from treegraft_dist.evaluate import fixed_base
+    from treegraft_dist.evaluation.evaluate import fixed_base
 
     assert fixed_base("all-small@published") == "all-small" and fixed_base("01001@published") == "01001"
     assert fixed_base("treegraft@published") is None and fixed_base("hf-pld") is None
@@ -280,7 +280,7 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
 
 
 def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):
-    from treegraft_dist.evaluate import fixed_base, is_sized
+    from treegraft_dist.evaluation.evaluate import fixed_base, is_sized
 
     assert fixed_base("all-small@published@sized") == "all-small" and is_sized("01001@sized")
     assert is_sized("treegraft@sized") and not is_sized("treegraft") and not is_sized("all-small")

@@ -9,14 +9,14 @@ from datetime import timedelta
 import pytest
 import ray
 import torch
+from tiny import char_tokenizer, save_tiny, tiny_model
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from actors.resources import Resources
 from actors.target import TargetWorker
-from tiny import char_tokenizer, save_tiny, tiny_model
 from treegraft_dist.cli import main
-from treegraft_dist.models import ModelError, load_model, pick_device, sliding_window_layers
-from treegraft_dist.sampling import SamplingParams
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.models.loading import ModelError, load_model, pick_device, sliding_window_layers
 
 
 @pytest.fixture(scope="module")

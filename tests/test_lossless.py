@@ -1,4 +1,4 @@
-"""The exact / near-tie / mismatch verdict (treegraft_dist/lossless.py) on tiny models, alone and in the
+"""The exact / near-tie / mismatch verdict (treegraft_dist/evaluation/lossless.py) on tiny models, alone and in the
 evaluation: real ties are near-ties in bf16, our methods never mismatch, a broken acceptance rule always
 does, fp32 stays exact."""
 
@@ -6,16 +6,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-import treegraft_dist.verify as verify
 from tiny import VOCAB, char_tokenizer, perturbed_copy, tiny_model
-from treegraft_dist.benchmarks import builtin, chat_prompt
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder, Generation
-from treegraft_dist.evaluate import EvalConfig, Evaluation, summarize, summarize_folder
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.lossless import EXACT, MISMATCH, NEAR_TIE, ROUNDING_FACTOR, classify, target_logits, tolerance
-from treegraft_dist.models import LoadedModel
+
+import treegraft_dist.decoding.verify as verify
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder, Generation
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation, summarize, summarize_folder
+from treegraft_dist.evaluation.lossless import (
+    EXACT,
+    MISMATCH,
+    NEAR_TIE,
+    ROUNDING_FACTOR,
+    classify,
+    target_logits,
+    tolerance,
+)
+from treegraft_dist.models.hf import CausalLM
+from treegraft_dist.models.loading import LoadedModel
 
 PROMPT = [5, 17, 33, 60, 2, 71, 5, 17, 33, 60, 9, 40, 88, 5, 17]
 

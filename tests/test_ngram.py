@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treegraft_dist.ngram import OUTSIDE_TOPK_PENALTY, NGramDrafter, NGramIndex, PrefillCache
-from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.decoding.ngram import OUTSIDE_TOPK_PENALTY, NGramDrafter, NGramIndex, PrefillCache
+from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
 
 
 def index_of(tokens, max_n=5) -> NGramIndex:

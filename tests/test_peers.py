@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
-
 from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model, tiny_pair
-from treegraft_dist.engine import Decoder
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.peers import PEER_METHODS, run_peer
+
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.evaluation.peers import PEER_METHODS, run_peer
+from treegraft_dist.models.hf import CausalLM
 
 PAIRS = {}
 

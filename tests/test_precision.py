@@ -2,8 +2,7 @@ import os
 
 import torch
 
-from treegraft_dist import precision
-from treegraft_dist.models import ModelError, pick_dtype
+from treegraft_dist.models.loading import ModelError, pick_dtype, precision
 
 
 def test_auto_on_cpu_follows_the_flags_or_the_probe():

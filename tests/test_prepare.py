@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from treegraft_dist import prepare
-from treegraft_dist.prepare import (
+from treegraft_dist.models.loading import prepare
+from treegraft_dist.models.prepare import (
     DEFAULT_MIDDLE,
     DEFAULT_TARGET,
     EMBEDDED_MODELS,

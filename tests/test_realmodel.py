@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treegraft_dist.prepare import prepare_default_models
+from treegraft_dist.models.prepare import prepare_default_models
 
 pytestmark = pytest.mark.realmodel
 
@@ -31,8 +31,8 @@ def _prompts(tokenizer):
 
 
 def test_default_pair_is_lossless_on_short_prompts():
-    from treegraft_dist.engine import Decoder
-    from treegraft_dist.models import check_pair, load_model
+    from treegraft_dist.decoding.engine import Decoder
+    from treegraft_dist.models.loading import check_pair, load_model
 
     target_dir, middle_dir = prepare_default_models()
     target = load_model(str(target_dir), "cpu", "float32")
@@ -51,13 +51,13 @@ def test_default_pair_in_bf16_with_the_scheduler_fitted_for_this_device(tmp_path
     near-tie of the target's own logits (never a mismatch)."""
     import torch
 
-    from treegraft_dist.config import TreeConfig
-    from treegraft_dist.device_scheduler import PROFILE_KEY, profile_key, resolve_scheduler
-    from treegraft_dist.engine import Decoder
-    from treegraft_dist.lossless import MISMATCH, classify
-    from treegraft_dist.models import load_model
-    from treegraft_dist.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, cache_root
-    from treegraft_dist.value import ValuePlanner
+    from treegraft_dist.decoding.config import TreeConfig
+    from treegraft_dist.decoding.engine import Decoder
+    from treegraft_dist.evaluation.lossless import MISMATCH, classify
+    from treegraft_dist.models.loading import load_model
+    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, cache_root
+    from treegraft_dist.scheduling.device import PROFILE_KEY, profile_key, resolve_scheduler
+    from treegraft_dist.scheduling.value import ValuePlanner
 
     target_dir, middle_dir = prepare_default_models()
     target = load_model(str(target_dir), "cpu", "bfloat16")

@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 import torch
-
 from tiny import perturbed_copy, tiny_model
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
-from treegraft_dist.hf import CausalLM
-from treegraft_dist.sampling import SamplingParams, target_probs
+
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.sampling import SamplingParams, target_probs
+from treegraft_dist.models.hf import CausalLM
 
 VOCAB = 6
 STEPS = 3

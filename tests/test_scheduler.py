@@ -13,15 +13,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import VOCAB, hf_greedy, tiny_pair
 
 from jobs import bench_scheduler
-from tiny import VOCAB, hf_greedy, tiny_pair
-from treegraft_dist import value
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import Decoder
-from treegraft_dist.scheduler import (LearnedScheduler, SchedulerArtifactError, SchedulerInfo, SchedulerMLP,
-                                      versions)
-from treegraft_dist.signals import NUM_SIGNALS, SIGNAL_NAMES, Timings
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.scheduler import (
+    LearnedScheduler,
+    SchedulerArtifactError,
+    SchedulerInfo,
+    SchedulerMLP,
+    versions,
+)
+from treegraft_dist.decoding.signals import NUM_SIGNALS, SIGNAL_NAMES, Timings
+from treegraft_dist.scheduling import value
 
 IDX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 PAIR = ("tiny-target", "tiny-middle")

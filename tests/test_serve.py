@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from localcluster import BIN, free_port, head_node
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
-from treegraft_dist.hf import CausalLM
+
+from treegraft_dist.models.hf import CausalLM
 
 pytestmark = pytest.mark.integration
 

@@ -3,13 +3,20 @@ the engine takes, stop strings cut exactly where one-shot decoding would, charac
 are never half-sent, and the error and response bodies keep OpenAI's shape."""
 
 import pytest
+from tiny import char_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tiny import char_tokenizer
-from treegraft_dist.serving import (ApiError, ServedModel, TextStream, chunk_body, parse_request, response_body,
-                                    speculation_details)
-from treegraft_dist.stats import RequestStats
+from treegraft_dist.decoding.stats import RequestStats
+from treegraft_dist.serving import (
+    ApiError,
+    ServedModel,
+    TextStream,
+    chunk_body,
+    parse_request,
+    response_body,
+    speculation_details,
+)
 
 MODEL = ServedModel("m", context=64, eos_ids=(), default_max_tokens=10)
 

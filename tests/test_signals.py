@@ -7,9 +7,17 @@ import math
 import numpy as np
 import pytest
 
-from treegraft_dist.signals import (MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES, Timings, compute_signals,
-                                    context_signals, prefix_signals, tree_signals)
-from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.decoding.signals import (
+    MAX_LAYERS,
+    NUM_SIGNALS,
+    SIGNAL_NAMES,
+    Timings,
+    compute_signals,
+    context_signals,
+    prefix_signals,
+    tree_signals,
+)
+from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
 
 ROOT_TOKEN = 7
 

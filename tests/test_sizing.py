@@ -3,12 +3,12 @@ decoding with it still reproduces the target's greedy output."""
 
 import numpy as np
 import pytest
-
 from test_engine import pair, prompts
 from tiny import hf_greedy
-from treegraft_dist.engine import Decoder
-from treegraft_dist.sizing import TreeSizer
-from treegraft_dist.tree import ORIGIN_NGRAM, DraftTree, Proposal
+
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.sizing import TreeSizer
+from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
 
 
 def chain_and_bush() -> DraftTree:
@@ -86,7 +86,7 @@ def test_a_new_request_starts_from_the_table_across_requests():
 
 
 def test_load_budget_shrinks_trees_as_requests_share_passes():
-    from treegraft_dist.sizing import LoadBudget
+    from treegraft_dist.decoding.sizing import LoadBudget
 
     # A pass costs the same up to 8 rows, then grows with its rows (a memory-bound device, then compute-bound).
     costs = {1: 100.0, 2: 100.0, 4: 100.0, 8: 100.0, 16: 200.0, 32: 400.0, 64: 800.0}

@@ -9,12 +9,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
-from jobs.sweep import CELLS_DIR, load_grid, main
 from localcluster import BIN, head_node
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
-from treegraft_dist.benchmarks import BENCHMARKS, builtin, chat_prompt
-from treegraft_dist.hf import CausalLM
+
+from jobs.sweep import CELLS_DIR, load_grid, main
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
+from treegraft_dist.models.hf import CausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = 2  # per benchmark

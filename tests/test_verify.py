@@ -5,19 +5,19 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from tiny import VOCAB, tiny_model, tiny_pair
-from treegraft_dist.config import TreeConfig
-from treegraft_dist.engine import draft_tree
-from treegraft_dist.hf import CausalLM, cache_len
-from treegraft_dist import neural
-from treegraft_dist.neural import NeuralDrafter
-from treegraft_dist.ngram import NGramDrafter
-from treegraft_dist.sampling import SamplingParams
-from treegraft_dist.schedule import fixed_schedule
-from treegraft_dist.stats import PhaseTimer, RequestStats
-from treegraft_dist.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
-from treegraft_dist.verify import TargetVerifier, tree_attention
+
+from treegraft_dist.decoding import neural
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import draft_tree
+from treegraft_dist.decoding.neural import NeuralDrafter
+from treegraft_dist.decoding.ngram import NGramDrafter
+from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.schedule import fixed_schedule
+from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.decoding.verify import TargetVerifier, tree_attention
+from treegraft_dist.models.hf import CausalLM, cache_len
 
 
 def random_tree(rng: random.Random, size: int) -> DraftTree:
@@ -53,7 +53,7 @@ def test_tree_attention_equals_each_branch_as_a_chain(arch, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_query_attention_without_copies_gives_transformers_own_tree_logits(dtype, monkeypatch):
-    from treegraft_dist.hf import SDPA_GQA_ENV
+    from treegraft_dist.models.hf import SDPA_GQA_ENV
 
     rng = random.Random(4)
     lm = CausalLM(tiny_model("qwen3").to(dtype))  # 4 query heads over 2 key/value heads

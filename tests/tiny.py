@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from treegraft_dist.hf import CausalLM
+from treegraft_dist.models.hf import CausalLM
 
 VOCAB = 96
 
@@ -90,8 +90,15 @@ def write_trajectories(folder, target: CausalLM, middle: CausalLM, pair, prompts
                        max_new_tokens: int):
     """A trajectories folder as `treegraft collect` writes it, collected here under `cost`: `prompts` are
     (benchmark, question id, token ids)."""
-    from treegraft_dist.collect import (MANIFEST, ROUNDS_DIR, SCHEMA_VERSION, Collector, part_name, records_table,
-                                        write_part)
+    from treegraft_dist.scheduling.collect import (
+        MANIFEST,
+        ROUNDS_DIR,
+        SCHEMA_VERSION,
+        Collector,
+        part_name,
+        records_table,
+        write_part,
+    )
 
     collector = Collector(target, middle, tree, cost, budgets)
     for bench, qid, ids in prompts:

@@ -8,17 +8,31 @@ import json
 import sys
 from pathlib import Path
 
-from . import compact, draft, kernels, precision
-from .benchmarks import BENCHMARKS, builtin, chat_prompt
-from .config import TreeConfig
-from .engine import AR_METHOD, Decoder
-from .evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
-from .models import (LoadedModel, ModelError, check_pair, check_tokenizers, describe_model, load_model,
-                     load_tokenizer, pick_device)
-from .prepare import (DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, prepare_default_models, prepare_missing,
-                      resolve_model_path)
-from .sampling import SamplingParams
-from .schedule import fixed_schedule
+from .decoding.config import TreeConfig
+from .decoding.engine import AR_METHOD, Decoder
+from .decoding.sampling import SamplingParams
+from .decoding.schedule import fixed_schedule
+from .evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
+from .evaluation.evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
+from .models import compact, draft, kernels, precision
+from .models.loading import (
+    LoadedModel,
+    ModelError,
+    check_pair,
+    check_tokenizers,
+    describe_model,
+    load_model,
+    load_tokenizer,
+    pick_device,
+)
+from .models.prepare import (
+    DEFAULT_MIDDLE,
+    DEFAULT_TARGET,
+    PrepareError,
+    prepare_default_models,
+    prepare_missing,
+    resolve_model_path,
+)
 
 TREEGRAFT_SIZED = "treegraft@sized"  # treegraft with every round's tree sized (sizing.py)
 
@@ -120,10 +134,10 @@ def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cf
 def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prompt: list[int]):
     """The learned scheduler for this pair and device (--scheduler, or the one fitted here from the trajectories
     shipped for the pair), else the heuristic."""
-    from .device_scheduler import resolve_scheduler
-    from .prepare import cache_root
-    from .schedule import ShallowTreeHeuristic
-    from .value import load_artifact
+    from .decoding.schedule import ShallowTreeHeuristic
+    from .models.prepare import cache_root
+    from .scheduling.device import resolve_scheduler
+    from .scheduling.value import load_artifact
 
     pair = (args.target, args.middle)
     if args.distributed:
@@ -142,9 +156,9 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
 def device_sizer(args, target: LoadedModel):
     """treegraft sizes every round's tree for this device's verification costs (measured once, cached), up to
 --budget or the largest size measured."""
-    from .budget import latency_profile
-    from .prepare import cache_root
-    from .sizing import TreeSizer
+    from .decoding.costs import latency_profile
+    from .decoding.sizing import TreeSizer
+    from .models.prepare import cache_root
 
     costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
@@ -233,7 +247,7 @@ def _report(summary, out: Path) -> int:
 
 
 def cmd_summary(args) -> int:
-    from .evaluate import summarize_folder
+    from .evaluation.evaluate import summarize_folder
 
     return _report(summarize_folder(Path(args.out)), Path(args.out))
 
@@ -280,8 +294,8 @@ def cmd_collect(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from .collect import read_trajectories
-    from .fit import fit
+    from .scheduling.collect import read_trajectories
+    from .scheduling.fit import fit
 
     budget = None if args.budget == "auto" else _int_arg("--budget", args.budget)
     if not 0 < args.heldout_fraction < 1:
@@ -300,8 +314,8 @@ def cmd_fit(args) -> int:
 def _priced_for_this_device(args, traj):
     """The trajectories priced with this device's cost profile (the pair they record, loaded here), and the
     fit arguments that stamp the artifact with that profile."""
-    from .device_scheduler import PROFILE_KEY, device_costs, measured_budgets, priced, profile_key
-    from .prepare import cache_root
+    from .models.prepare import cache_root
+    from .scheduling.device import PROFILE_KEY, device_costs, measured_budgets, priced, profile_key
 
     names = traj.manifest["pair"]
     srcs = [resolve_model_path(n, args.cache_dir) for n in names]
@@ -315,9 +329,9 @@ def _priced_for_this_device(args, traj):
 
 
 def cmd_project(args) -> int:
-    from .collect import read_trajectories
-    from .device_scheduler import DATA_DIR, SHIPPED_TRAJECTORIES
-    from .projection import read_profiles, run
+    from .evaluation.projection import read_profiles, run
+    from .scheduling.collect import read_trajectories
+    from .scheduling.device import DATA_DIR, SHIPPED_TRAJECTORIES
 
     profiles = read_profiles(args.profile)
     data = Path(args.data) if args.data else SHIPPED_TRAJECTORIES[(DEFAULT_TARGET, DEFAULT_MIDDLE)]

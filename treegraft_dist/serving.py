@@ -14,8 +14,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from .sampling import SamplingParams
-from .stats import RequestStats
+from .decoding.sampling import SamplingParams
+from .decoding.stats import RequestStats
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 UNSUPPORTED = {  # parameter -> the values it may take here (anything else is a 400)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA_DIR = Path(__file__).parent / "data" / "benchmarks"
+DATA_DIR = Path(__file__).parents[1] / "data" / "benchmarks"
 BENCHMARKS = {
     "mt_bench": "mt_bench.jsonl",
     "gsm8k": "gsm8k.jsonl",

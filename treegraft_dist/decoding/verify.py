@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .hf import CausalLM, cache_len, compact_cache
+from ..models.hf import CausalLM, cache_len, compact_cache
 from .ngram import PrefillCache
 from .sampling import SamplingParams, next_token, sample, target_probs
 from .tree import DraftTree

@@ -15,9 +15,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .budget import forward_ms
+from ..models.hf import CausalLM
 from .config import TreeConfig
-from .hf import CausalLM
+from .costs import forward_ms
 from .neural import NeuralDrafter
 from .ngram import NGramDrafter, PrefillCache
 from .sampling import SamplingParams

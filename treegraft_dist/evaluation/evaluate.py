@@ -33,20 +33,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from ..decoding.config import TreeConfig
+from ..decoding.costs import CANDIDATES, choose_budget, latency_profile
+from ..decoding.engine import AR_METHOD, Decoder, Generation
+from ..decoding.schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from ..decoding.sizing import TreeSizer
+from ..files import replacing, write_text
+from ..models.loading import LoadedModel
+from ..models.prepare import cache_root
+from ..scheduling.collect import HELD_OUT_BENCHMARKS, Collector, CostModel
+from ..scheduling.device import PROFILE_KEY, resolve_scheduler
+from ..scheduling.value import SCHEDULES, ValuePlanner, load_artifact
 from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questions
-from .budget import CANDIDATES, choose_budget, latency_profile
-from .config import TreeConfig
-from .engine import AR_METHOD, Decoder, Generation
-from .files import replacing, write_text
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
-from .models import LoadedModel
 from .peers import PEER_METHODS, run_peer
-from .prepare import cache_root
-from .collect import HELD_OUT_BENCHMARKS, Collector, CostModel
-from .device_scheduler import PROFILE_KEY, resolve_scheduler
-from .schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
-from .sizing import TreeSizer
-from .value import SCHEDULES, ValuePlanner, load_artifact
 
 TREEGRAFT = "treegraft"
 VALUE_PLANNER = "value-planner"

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf import CausalLM
+from ..models.hf import CausalLM
 
 EXACT, NEAR_TIE, MISMATCH = "exact", "near-tie", "mismatch"
 VERDICTS = (EXACT, NEAR_TIE, MISMATCH)

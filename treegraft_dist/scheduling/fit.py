@@ -23,11 +23,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.scheduler import LearnedScheduler, SchedulerInfo
 from . import value
 from .collect import CostModel, Trajectories
-from .scheduler import LearnedScheduler, SchedulerInfo
-from .value import (CANDIDATE_SUBSETS, NUM_DECISION_STATES, SCHEDULES, Rounds, ValueHeads, feasible, fit_scheduler,
-                    fit_value_heads, split_rounds)
+from .value import (
+    CANDIDATE_SUBSETS,
+    NUM_DECISION_STATES,
+    SCHEDULES,
+    Rounds,
+    ValueHeads,
+    feasible,
+    fit_scheduler,
+    fit_value_heads,
+    split_rounds,
+)
 
 SPEED_TIE = 0.01  # subsets within 1% of the fastest count as tied; the lower held-out error wins
 # Epochs of the value heads that only rank budgets: a quarter of a full fit ranks them alike and keeps a

@@ -24,9 +24,9 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from .engine import Generation, check_request, truncate
-from .hf import CausalLM
-from .stats import PhaseTimer, RequestStats
+from ..decoding.engine import Generation, check_request, truncate
+from ..decoding.stats import PhaseTimer, RequestStats
+from ..models.hf import CausalLM
 
 PEER_METHODS = ("hf-assisted", "hf-pld")
 PLD_NUM_TOKENS = 10

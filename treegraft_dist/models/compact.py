@@ -281,5 +281,5 @@ def describe() -> str:
     return f"compact fp32 linears: {'on' if c.compact else 'off'} ({c.reason})"
 
 
-if __name__ == "__main__":  # python -m treegraft_dist.compact: build the kernel and print the decision
+if __name__ == "__main__":  # python -m treegraft_dist.models.compact: build the kernel and print the decision
     print(describe(), file=sys.stderr)

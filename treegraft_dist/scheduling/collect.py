@@ -34,18 +34,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from .budget import device_name, forward_ms, latency_profile, measured_when_busy, model_key
-from .config import TreeConfig
-from .engine import check_request, next_frontier, truncate
-from .files import replacing, write_json
-from .hf import CausalLM
-from .neural import NeuralDrafter
-from .ngram import NGramDrafter
-from .sampling import SamplingParams
-from .signals import MAX_LAYERS, NUM_SIGNALS, Timings, compute_signals, context_signals
-from .tree import DraftTree
+from ..decoding.config import TreeConfig
+from ..decoding.costs import device_name, forward_ms, latency_profile, measured_when_busy, model_key
+from ..decoding.engine import check_request, next_frontier, truncate
+from ..decoding.neural import NeuralDrafter
+from ..decoding.ngram import NGramDrafter
+from ..decoding.sampling import SamplingParams
+from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, Timings, compute_signals, context_signals
+from ..decoding.tree import DraftTree
+from ..decoding.verify import TargetVerifier
+from ..files import replacing, write_json
+from ..models.hf import CausalLM
 from .value import NUM_DECISION_STATES, NUM_SCHEDULES, NUM_STATES, SCHEDULES
-from .verify import TargetVerifier
 
 D = MAX_LAYERS
 MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
@@ -149,7 +149,7 @@ def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, floa
 
 def cpu_step_costs(context: list[int], cfg: TreeConfig, repeats: int = 200) -> tuple[float, float]:
     """Median ms of (one n-gram step, one scheduler call) over trees grown on `context` (a real prompt)."""
-    from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
+    from ..decoding.scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
 
     ngram = NGramDrafter.from_config(cfg)
     ngram.start(list(context), None)

@@ -22,7 +22,6 @@ import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-
 # transformers' sdpa path copies every cached key and value once per query head group (repeat_kv) for any pass
 # of several tokens with a mask, which every tree pass and prefill here has; torch's own grouped-query
 # attention takes the mask on a CPU and gives the same numbers without the copies (measured: the same output

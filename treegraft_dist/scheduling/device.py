@@ -24,19 +24,19 @@ import json
 import sys
 from pathlib import Path
 
-from .budget import device_name, latency_profile, model_key
+from ..decoding.config import TreeConfig
+from ..decoding.costs import device_name, latency_profile, model_key
+from ..decoding.scheduler import LearnedScheduler, SchedulerArtifactError
+from ..files import write_json
+from ..models.hf import CausalLM
 from .collect import CostModel, Trajectories, measure_costs, middle_profile, read_trajectories
-from .config import TreeConfig
-from .files import write_json
-from .hf import CausalLM
-from .scheduler import LearnedScheduler, SchedulerArtifactError
 from .value import ValueHeads, load_artifact
 
 PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
 # Bumped when the fit changes what it learns from the same data (2: signals constant over the training
 # rounds, as one device's context timings are, are left out), so that cached fits are redone.
 FIT_VERSION = 2
-DATA_DIR = Path(__file__).parent / "data" / "trajectories"
+DATA_DIR = Path(__file__).parents[1] / "data" / "trajectories"
 # Trajectories shipped per (target, middle) as named on the command line; `make trajectories` rebuilds them.
 SHIPPED_TRAJECTORIES = {
     ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):

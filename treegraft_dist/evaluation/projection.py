@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.scheduler import LearnedScheduler
+from ..files import write_csv, write_text
+from ..scheduling.collect import CostModel, Trajectories
+from ..scheduling.device import fit_for_device, measured_budgets, priced
+from ..scheduling.fit import oracle_schedules, schedules_from_margins
+from ..scheduling.value import NUM_SCHEDULES, SCHEDULES, Rounds
 from .benchmarks import BENCHMARKS
-from .collect import CostModel, Trajectories
-from .device_scheduler import fit_for_device, measured_budgets, priced
 from .evaluate import plot_speedups
-from .files import write_csv, write_text
-from .fit import oracle_schedules, schedules_from_margins
-from .scheduler import LearnedScheduler
-from .value import NUM_SCHEDULES, SCHEDULES, Rounds
 
 LABEL = "projected from measured costs"
 AR, ALL_SMALL, ALL_MID, TREEGRAFT, ORACLE = "ar", "all-small", "all-mid", "treegraft", "oracle"

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import write_bytes
+from ..files import write_bytes
 from .signals import NUM_SIGNALS, SIGNAL_NAMES
 
 FORMAT_VERSION = 1

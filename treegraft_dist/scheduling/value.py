@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .scheduler import LearnedScheduler, SchedulerArtifactError, SchedulerInfo, SchedulerMLP, subset_mask
-from .signals import MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES
+from ..decoding.scheduler import LearnedScheduler, SchedulerArtifactError, SchedulerInfo, SchedulerMLP, subset_mask
+from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES
 
 D = MAX_LAYERS
 NUM_SCHEDULES = 2**D  # 32

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import compact, kernels
-from .files import write_json
-from .hf import CausalLM, compact_cache
-from .precision import cpu_model
+from ..files import write_json
+from ..models import compact, kernels
+from ..models.hf import CausalLM, compact_cache
+from ..models.precision import cpu_model
 from .stats import synchronize
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal
 from .verify import tree_attention

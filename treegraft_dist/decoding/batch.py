@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf import CausalLM
+from ..models.hf import CausalLM
 from .sampling import SamplingParams
 from .tree import DraftTree
 from .verify import TargetVerifier, forward_blocks

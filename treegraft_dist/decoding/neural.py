@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .hf import CausalLM, cache_len, compact_cache
+from ..models.hf import CausalLM, cache_len, compact_cache
 from .ngram import PrefillCache
 from .tree import ORIGIN_MIDDLE, DraftTree, Proposal
 
