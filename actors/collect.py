@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from treegraft_dist.decoding.config import TreeConfig
-from treegraft_dist.decoding.costs import CANDIDATES
+from treegraft_dist.decoding.costs import CANDIDATES, CostModel, device_costs, profile_key
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.files import write_json
 from treegraft_dist.models.loading import load_model, load_tokenizer
@@ -37,12 +37,11 @@ from treegraft_dist.scheduling.collect import (
     ROUNDS_DIR,
     SCHEMA_VERSION,
     Collector,
-    CostModel,
     part_name,
     records_table,
     write_part,
 )
-from treegraft_dist.scheduling.device import PROFILE_KEY, device_costs, profile_key
+from treegraft_dist.scheduling.device import PROFILE_KEY
 
 LOCAL_OBJECT_STORE = 512 * 1024**2
 COLLECT_BENCHMARKS = tuple(b for b in BENCHMARKS if b not in HELD_OUT_BENCHMARKS)

@@ -31,7 +31,8 @@ from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import forward_ms
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
-from treegraft_dist.models.loading import compact, kernels, load_model, pick_dtype
+from treegraft_dist.models import compact, kernels
+from treegraft_dist.models.loading import load_model, pick_dtype
 from treegraft_dist.models.precision import cpu_model
 from treegraft_dist.models.prepare import DEFAULT_TARGET, prepare_model
 

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from treegraft_dist.cli import load_pair
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import device_costs, profile_key
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.evaluation.evaluate import COST_CONTEXT_BENCHMARK, EvalConfig, Evaluation
 from treegraft_dist.evaluation.projection import AR, LABEL, MEAN, METHODS, ORACLE, ordered, project
@@ -37,13 +38,7 @@ from treegraft_dist.files import write_csv, write_text
 from treegraft_dist.models.loading import ModelError
 from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, PrepareError, cache_root
 from treegraft_dist.scheduling.collect import Trajectories, read_trajectories
-from treegraft_dist.scheduling.device import (
-    device_costs,
-    fit_for_device,
-    profile_key,
-    same_drafting,
-    shipped_trajectories,
-)
+from treegraft_dist.scheduling.device import fit_for_device, same_drafting, shipped_trajectories
 
 DEFAULT_METHODS = tuple(m for m in METHODS if m != ORACLE)
 

@@ -47,17 +47,25 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from treegraft_dist.decoding.config import TreeConfig
-from treegraft_dist.decoding.costs import CANDIDATES, PROFILE_PAST, device_name, forward_ms
+from treegraft_dist.decoding.costs import (
+    CANDIDATES,
+    MIDDLE_BLOCKS,
+    PROFILE_PAST,
+    CostModel,
+    cpu_step_costs,
+    device_name,
+    forward_ms,
+    profile_key,
+)
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.stats import PHASES
 from treegraft_dist.evaluation.benchmarks import builtin
 from treegraft_dist.evaluation.lossless import MISMATCH, VERDICTS, classify
 from treegraft_dist.files import write_json, write_text
+from treegraft_dist.models import draft
 from treegraft_dist.models.hf import CausalLM
-from treegraft_dist.models.loading import DTYPES, check_supported, draft, pick_device
-from treegraft_dist.scheduling.collect import MIDDLE_BLOCKS, CostModel, cpu_step_costs
-from treegraft_dist.scheduling.device import profile_key
+from treegraft_dist.models.loading import DTYPES, check_supported, pick_device
 
 # As `treegraft prepare-models` converts the embedded pair (config.json of each prepared folder).
 QWEN_COMMON = dict(vocab_size=151936, hidden_act="silu", max_position_embeddings=32768, initializer_range=0.02,

@@ -9,9 +9,9 @@ from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model, write_tr
 
 from jobs import check_projection
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.loading import load_model
-from treegraft_dist.scheduling.collect import CostModel
 
 FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}
 ELSEWHERE = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 2: 5.2, 4: 5.5, 8: 6.0, 16: 7.0})

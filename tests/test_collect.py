@@ -9,18 +9,19 @@ import pytest
 from tiny import VOCAB, hf_greedy, tiny_pair
 
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.decoding.engine import Decoder, draft_tree
 from treegraft_dist.decoding.neural import NeuralDrafter
 from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
-from treegraft_dist.decoding.schedule import ReplaySchedule
+from treegraft_dist.decoding.schedule import SCHEDULES, ReplaySchedule
 from treegraft_dist.decoding.signals import Timings, context_signals
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
 from treegraft_dist.decoding.verify import TargetVerifier
-from treegraft_dist.scheduling.collect import Collector, CostModel, Trajectories, accepted_length, records_table
+from treegraft_dist.scheduling.collect import Collector, Trajectories, accepted_length, records_table
 from treegraft_dist.scheduling.fit import call_cap, feasible, fit, oracle_schedules
-from treegraft_dist.scheduling.value import SCHEDULES, ValuePlanner, load_artifact, state_index
+from treegraft_dist.scheduling.value import ValuePlanner, load_artifact, state_index
 
 COST = CostModel("test", ngram_ms=1.0, scheduler_ms=0.3, middle_ms={1: 20.0, 8: 24.0, 64: 60.0},
                  verify_ms={1: 100.0, 4: 110.0, 16: 150.0, 32: 200.0})

@@ -10,9 +10,9 @@ from tiny import perturbed_copy, tiny_model
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import model_key
 from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.models import compact, kernels
 from treegraft_dist.models.compact import CompactLinear, Groups
 from treegraft_dist.models.hf import CausalLM
-from treegraft_dist.models.loading import compact, kernels
 
 pytestmark = pytest.mark.skipif(compact._extension()[0] is None, reason=str(compact._extension()[1]))
 
@@ -130,7 +130,7 @@ def test_speculation_on_compact_models_reproduces_greedy_decoding_in_fp32(arch, 
 
 
 def test_a_drafting_head_over_some_ids_is_compact_too(fresh_choice):
-    from treegraft_dist.models.loading import draft
+    from treegraft_dist.models import draft
 
     fresh_choice.setenv(kernels.LINEAR_ENV, "compact")
     lm = CausalLM(bf16_exact(tiny_model("llama", seed=5)))

@@ -11,17 +11,17 @@ import torch
 from tiny import char_tokenizer, perturbed_copy, tiny_model, write_trajectories
 
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import CostModel, profile_key
 from treegraft_dist.decoding.scheduler import SchedulerArtifactError
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.hf import CausalLM
-from treegraft_dist.scheduling import device
-from treegraft_dist.scheduling.collect import CostModel, read_trajectories
+from treegraft_dist.scheduling import device as device_scheduler
+from treegraft_dist.scheduling.collect import read_trajectories
 from treegraft_dist.scheduling.device import (
     PROFILE_KEY,
     check_profile,
     measured_budgets,
     priced,
-    profile_key,
     resolve_scheduler,
     scheduler_for_device,
 )

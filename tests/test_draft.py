@@ -13,8 +13,9 @@ from treegraft_dist.decoding.costs import model_key
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.decoding.neural import NeuralDrafter
 from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
+from treegraft_dist.models import draft, kernels
 from treegraft_dist.models.hf import CausalLM
-from treegraft_dist.models.loading import draft, kernels, load_model
+from treegraft_dist.models.loading import load_model
 
 SUBSET = 40  # of the tiny vocabulary's 96 ids
 
@@ -146,8 +147,7 @@ def test_load_model_makes_the_middle_cheap_and_keys_its_profile_by_it(tmp_path, 
 def test_a_middle_profile_times_drafting_passes_and_one_from_before_is_measured_again(tmp_path):
     import json
 
-    from treegraft_dist.decoding.costs import device_name
-    from treegraft_dist.scheduling.collect import middle_profile
+    from treegraft_dist.decoding.costs import device_name, middle_profile
 
     _, middle = tiny_pair(seed=10)
     draft.set_draft_vocabulary(middle, draft.draft_vocabulary(VOCAB, SUBSET, set()))

@@ -18,8 +18,8 @@ from treegraft_dist.decoding.schedule import ReplaySchedule, fixed_schedule
 from treegraft_dist.decoding.signals import NUM_SIGNALS
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.verify import TargetVerifier
+from treegraft_dist.models import hf
 from treegraft_dist.models.hf import CausalLM
-from treegraft_dist.models.loading import hf
 
 PAIRS = {}
 

@@ -191,9 +191,10 @@ def artifact(pair, tmp_path_factory):
     import pyarrow as pa
 
     from treegraft_dist.decoding.config import TreeConfig
+    from treegraft_dist.decoding.costs import CostModel, profile_key
     from treegraft_dist.evaluation.benchmarks import chat_prompt
-    from treegraft_dist.scheduling.collect import Collector, CostModel, Trajectories, records_table
-    from treegraft_dist.scheduling.device import PROFILE_KEY, profile_key
+    from treegraft_dist.scheduling.collect import Collector, Trajectories, records_table
+    from treegraft_dist.scheduling.device import PROFILE_KEY
     from treegraft_dist.scheduling.fit import fit
 
     target, middle = pair

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.projection import read_profiles
-from treegraft_dist.scheduling.collect import CostModel
 
 SCRIPT = Path(__file__).parents[1] / "jobs" / "gpu_check.py"
 QUICK_SIZES = [1, 2, 4, 8]

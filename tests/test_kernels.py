@@ -9,9 +9,10 @@ from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import model_key
 from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.models import kernels
 from treegraft_dist.models.hf import CausalLM
 from treegraft_dist.models.kernels import LINEAR_ENV, PackedLinear
-from treegraft_dist.models.loading import kernels, load_model
+from treegraft_dist.models.loading import load_model
 
 pytestmark = pytest.mark.skipif(kernels.unsupported(torch.float32) is not None,
                                 reason=f"{kernels.unsupported(torch.float32)}")

@@ -2,7 +2,8 @@ import os
 
 import torch
 
-from treegraft_dist.models.loading import ModelError, pick_dtype, precision
+from treegraft_dist.models import precision
+from treegraft_dist.models.loading import ModelError, pick_dtype
 
 
 def test_auto_on_cpu_follows_the_flags_or_the_probe():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from treegraft_dist.models.loading import prepare
+from treegraft_dist.models import prepare
 from treegraft_dist.models.prepare import (
     DEFAULT_MIDDLE,
     DEFAULT_TARGET,

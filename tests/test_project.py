@@ -7,9 +7,10 @@ import json
 import pytest
 
 from treegraft_dist.cli import main
+from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.projection import LABEL, MEAN, METHODS, Profile, project, read_profiles, run
 from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
-from treegraft_dist.scheduling.collect import CostModel, read_trajectories
+from treegraft_dist.scheduling.collect import read_trajectories
 from treegraft_dist.scheduling.device import fit_for_device, shipped_trajectories
 
 FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}

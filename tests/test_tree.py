@@ -8,8 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treegraft_dist.decoding.engine import next_frontier
-from treegraft_dist.decoding.tree import NO_PARENT, ORIGIN_MIDDLE, ORIGIN_NGRAM, ORIGIN_ROOT, DraftTree, Proposal
+from treegraft_dist.decoding.tree import (
+    NO_PARENT,
+    ORIGIN_MIDDLE,
+    ORIGIN_NGRAM,
+    ORIGIN_ROOT,
+    DraftTree,
+    Proposal,
+    next_frontier,
+)
 
 SMALL_VOCAB = 4  # few tokens, so proposals often name a child that already exists
 FAST = settings(max_examples=150, deadline=None)

@@ -314,8 +314,9 @@ def cmd_fit(args) -> int:
 def _priced_for_this_device(args, traj):
     """The trajectories priced with this device's cost profile (the pair they record, loaded here), and the
     fit arguments that stamp the artifact with that profile."""
+    from .decoding.costs import device_costs, profile_key
     from .models.prepare import cache_root
-    from .scheduling.device import PROFILE_KEY, device_costs, measured_budgets, priced, profile_key
+    from .scheduling.device import PROFILE_KEY, measured_budgets, priced
 
     names = traj.manifest["pair"]
     srcs = [resolve_model_path(n, args.cache_dir) for n in names]

@@ -1,11 +1,18 @@
-"""Hardware-aware tree budget: how many nodes to verify per round on this device.
+"""What each pass costs on this device: the one home of cost profiles.
 
-A bigger tree is accepted deeper but costs more to verify; where that trade lands depends on the device
-(on a GPU a 64-node pass costs about what a 1-token pass does; on a CPU it costs several times more).
-`--budget auto` measures target verification latency against tree size once per (model, device),
-caches it, then observes acceptance at every candidate budget during a warm-up decode at the largest
-one (the accepted length of a smaller, pruned tree follows from the target's greedy continuation
-without another target pass) and picks the budget with the most expected tokens per second.
+  forward_ms        one forward of a model over a block of nodes, on a cache of typical length;
+  latency_profile   target verification ms by tree size (CANDIDATES), measured once per (model, device),
+                    cached as JSON and measured again when it was taken on a busy machine;
+  middle_profile    middle-drafter forward ms by tokens (MIDDLE_BLOCKS), likewise;
+  cpu_step_costs    one n-gram step and one scheduler call, on trees grown from a real prompt;
+  CostModel         all four for one pair on one device: what trajectories are priced with, what a scheduler
+                    is fitted for (`device_costs` caches it under `profile_key`);
+  choose_budget     the tree budget a fixed schedule verifies: a bigger tree is accepted deeper but costs more
+                    to verify, and where that trade lands depends on the device (on a GPU a 64-node pass
+                    costs about what a 1-token pass does; on a CPU several times more). `--budget auto`
+                    observes acceptance at every candidate budget during a warm-up decode at the largest one
+                    (a smaller, pruned tree's accepted length follows from the target's greedy continuation)
+                    and picks the budget with the most expected tokens per second.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +34,13 @@ from ..files import write_json
 from ..models import compact, kernels
 from ..models.hf import CausalLM, compact_cache
 from ..models.precision import cpu_model
+from .config import TreeConfig
+from .ngram import NGramDrafter
+from .schedule import NUM_SCHEDULES, SCHEDULES
+from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
+from .signals import MAX_LAYERS, Timings, compute_signals, context_signals
 from .stats import synchronize
-from .tree import ORIGIN_NGRAM, DraftTree, Proposal
+from .tree import ORIGIN_NGRAM, DraftTree, Proposal, next_frontier
 from .verify import tree_attention
 
 CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
@@ -36,6 +50,7 @@ MAX_COST_RATIO = 4.0
 # threads only ever slow a pass down): the profile is measured again. A fresh pass much slower than the
 # cache means the machine is busy now, and the cache is kept.
 STALE_RATIO = 1.5
+MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
 DRAFT_TOPK = 10  # children a drafting pass ranks (the published K)
 
 
@@ -137,3 +152,153 @@ def choose_budget(verify_ms: dict[int, float], accepted_at: dict[int, list[int]]
     if not rate:
         raise ValueError("no acceptance observed: run a warm-up decode with budget probes first")
     return max(rate, key=lambda b: (rate[b], -b))
+
+
+# -- the cost model of a pair on a device -----------------------------------------------------------------------------------
+
+def _interp(table: dict[int, float], x: float) -> float:
+    """Piecewise-linear in x through the measured points, extended linearly past the last two."""
+    xs = np.array(sorted(table), np.float64)
+    ys = np.array([table[int(k)] for k in xs], np.float64)
+    if len(xs) == 1 or x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured costs on one device, in milliseconds."""
+
+    device: str
+    ngram_ms: float  # one n-gram drafting step
+    scheduler_ms: float  # one scheduler call (signals + decision), paid before every layer
+    middle_ms: dict[int, float]  # tokens in one middle-drafter forward -> ms
+    verify_ms: dict[int, float]  # pruned tree size -> ms of one target verification
+
+    def middle(self, tokens: int) -> float:
+        return 0.0 if tokens <= 0 else _interp(self.middle_ms, tokens)
+
+    def verify(self, size: int) -> float:
+        return _interp(self.verify_ms, size)
+
+    def timings(self, budget: int) -> Timings:
+        """T_tgt and T_mid as the engine measures them (one forward over a budget-sized block)."""
+        return Timings(self.verify(budget), self.middle(budget))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["middle_ms"] = {str(k): v for k, v in self.middle_ms.items()}
+        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        try:
+            return cls(str(d["device"]), float(d["ngram_ms"]), float(d["scheduler_ms"]),
+                       {int(k): float(v) for k, v in d["middle_ms"].items()},
+                       {int(k): float(v) for k, v in d["verify_ms"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not a cost model ({type(e).__name__}: {e}); expected the keys device, ngram_ms, "
+                             "scheduler_ms, middle_ms, verify_ms as `treegraft collect` writes them") from e
+
+    def schedule_latency(self, forwards: np.ndarray, sizes: np.ndarray, catch_up: int = 1) -> np.ndarray:
+        """Latency (ms) of each complete schedule. forwards: [63, 2] middle forward sizes of the step into
+        each prefix state (0 = none); sizes: [B, 32] pruned tree sizes -> [B, 32].
+
+        `catch_up`: tokens the middle drafter has not seen when the round starts (the root and what the
+        last round accepted before it). Trajectories run them before the round; at run time the first call
+        of a round runs them in its first forward, so that is where they are priced."""
+        draft = np.zeros(NUM_SCHEDULES)
+        for s in range(NUM_SCHEDULES):
+            state, called = 0, False
+            for bit in SCHEDULES[s]:
+                state = 2 * state + 1 + int(bit)
+                if not bit:
+                    draft[s] += self.ngram_ms
+                    continue
+                a, b = (int(x) for x in forwards[state])
+                if not called:  # the catch-up joins the first forward that runs
+                    a, b = (a + catch_up, b) if a else (0, b + catch_up)
+                    called = True
+                draft[s] += self.middle(a) + self.middle(b)
+        draft += MAX_LAYERS * self.scheduler_ms
+        verify = np.vectorize(self.verify, otypes=[np.float64])(sizes)
+        return draft[None, :] + verify
+
+
+def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:
+    """ms of one middle-drafter forward per block size, measured once per (model, device), cached."""
+    path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}--middle.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        cached = {int(k): v for k, v in saved["forward_ms"].items()}
+        # Profiles from before drafting passes were timed as such ended with the full head: measure again.
+        if saved.get("pass") == "drafting" and not measured_when_busy(lm, cached[min(cached)], path, min(cached),
+                                                                       drafting=True):
+            return cached
+    measured = {b: forward_ms(lm, b, repeats=2, drafting=True)
+                for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
+    profile, floor = {}, float("inf")
+    for b in sorted(measured, reverse=True):  # never cheaper for more tokens: a dip is noise
+        floor = min(floor, measured[b])
+        profile[b] = floor
+    profile = dict(sorted(profile.items()))
+    write_json(path, {"model": source, "device": device_name(lm.device), "pass": "drafting",
+                      "forward_ms": {str(k): v for k, v in profile.items()}})
+    return profile
+
+
+def cpu_step_costs(context: list[int], cfg: TreeConfig, repeats: int = 200) -> tuple[float, float]:
+    """Median ms of (one n-gram step, one scheduler call) over trees grown on `context` (a real prompt)."""
+    ngram = NGramDrafter.from_config(cfg)
+    ngram.start(list(context), None)
+    policy = LearnedScheduler(SchedulerMLP(), SchedulerInfo(("", "")))
+    ctx = context_signals(len(context), Timings(1.0, 1.0))
+    step_ms, sched_ms = [], []
+    for _ in range(max(1, repeats // cfg.depth)):
+        tree, frontier, calls = DraftTree(int(context[-1])), np.zeros(1, np.int64), []
+        for layer in range(cfg.depth):
+            t0 = time.perf_counter()
+            sig = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k, ctx)
+            policy.decide(sig, layer)
+            t1 = time.perf_counter()
+            proposal = ngram.step(tree, frontier, layer + 1)
+            t2 = time.perf_counter()
+            ids = tree.graft(proposal, layer + 1)
+            if len(proposal):
+                frontier = next_frontier(tree, proposal, ids, cfg.top_k)
+            calls.append(False)
+            sched_ms.append((t1 - t0) * 1e3)
+            step_ms.append((t2 - t1) * 1e3)
+    return statistics.median(step_ms), statistics.median(sched_ms)
+
+
+def measure_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
+                  context: list[int], cfg: TreeConfig) -> CostModel:
+    verify = latency_profile(target, target_source, cache_dir)
+    mid = middle_profile(middle, middle_source, cache_dir)
+    ngram_ms, sched_ms = cpu_step_costs(context, cfg)
+    return CostModel(device_name(target.device), ngram_ms, sched_ms, mid, verify)
+
+
+def profile_key(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str) -> str:
+    """(model pair with its dtype, device with its threads) as one file-name-safe string."""
+    return f"{model_key(target, target_source)}+{model_key(middle, middle_source)}--{device_name(target.device)}"
+
+
+def device_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
+                 context: list[int], tree: TreeConfig) -> CostModel:
+    """The cost profile of this pair on this device, measured on first use and cached as JSON."""
+    key = profile_key(target, target_source, middle, middle_source)
+    path = cache_dir / "profiles" / f"{key}--costs.json"
+    if path.is_file():
+        cost = CostModel.from_dict(json.loads(path.read_text()))
+        # Its model costs must be those of the (self-checking) per-model profiles: one re-measured after a
+        # busy first measurement makes this one stale too.
+        if (cost.verify_ms == latency_profile(target, target_source, cache_dir)
+                and cost.middle_ms == middle_profile(middle, middle_source, cache_dir)):
+            return cost
+    cost = measure_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
+    write_json(path, cost.to_dict())
+    return cost

@@ -25,7 +25,7 @@ from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
 from .sizing import TreeSizer
 from .stats import PhaseTimer, RequestStats
-from .tree import DraftTree, Proposal
+from .tree import DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
 
 AR_METHOD = "ar"
@@ -35,12 +35,6 @@ AR_METHOD = "ar"
 class Generation:
     tokens: list[int]  # generated ids only
     stats: RequestStats
-
-
-def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) -> np.ndarray:
-    """The top-k of the grafted nodes that end a proposed chain (no proposed entry hangs below them)."""
-    hung = ids[proposal.parents[proposal.parents >= proposal.base] - proposal.base]
-    return tree.ranked(np.setdiff1d(ids, hung))[:k]
 
 
 def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:

@@ -7,6 +7,7 @@ the pattern (0-based, left to right) is 1 when layer l calls the middle drafter.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -16,6 +17,10 @@ import numpy as np
 from .signals import MAX_LAYERS, SIGNAL_NAMES
 
 NAMED_SCHEDULES = {"all-small": "0", "all-mid": "1"}
+# Every schedule of a round: [32, 5] int8, bit l of schedule s = 1 iff layer l calls the middle drafter
+# (layer 0 the most significant bit: s = 0 is all-small, s = 31 all-mid).
+SCHEDULES = np.array(list(itertools.product((0, 1), repeat=MAX_LAYERS)), np.int8)
+NUM_SCHEDULES = len(SCHEDULES)  # 32
 _CALLED = slice(SIGNAL_NAMES.index("called_0"), SIGNAL_NAMES.index("called_0") + MAX_LAYERS)
 _FRONTIER_DEPTH = SIGNAL_NAMES.index("frontier_depth")
 

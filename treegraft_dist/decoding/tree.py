@@ -290,3 +290,9 @@ class DraftTree:
 
     def __repr__(self) -> str:
         return f"DraftTree(size={self.size}, max_depth={int(self.depths[: self.size].max())})"
+
+
+def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) -> np.ndarray:
+    """The top-k of the grafted nodes that end a proposed chain (no proposed entry hangs below them)."""
+    hung = ids[proposal.parents[proposal.parents >= proposal.base] - proposal.base]
+    return tree.ranked(np.setdiff1d(ids, hung))[:k]

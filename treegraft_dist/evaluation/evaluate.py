@@ -34,16 +34,16 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from ..decoding.config import TreeConfig
-from ..decoding.costs import CANDIDATES, choose_budget, latency_profile
+from ..decoding.costs import CANDIDATES, CostModel, choose_budget, latency_profile
 from ..decoding.engine import AR_METHOD, Decoder, Generation
-from ..decoding.schedule import NAMED_SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from ..decoding.schedule import NAMED_SCHEDULES, SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
 from ..decoding.sizing import TreeSizer
 from ..files import replacing, write_text
 from ..models.loading import LoadedModel
 from ..models.prepare import cache_root
-from ..scheduling.collect import HELD_OUT_BENCHMARKS, Collector, CostModel
+from ..scheduling.collect import HELD_OUT_BENCHMARKS, Collector
 from ..scheduling.device import PROFILE_KEY, resolve_scheduler
-from ..scheduling.value import SCHEDULES, ValuePlanner, load_artifact
+from ..scheduling.value import ValuePlanner, load_artifact
 from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questions
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .peers import PEER_METHODS, run_peer

@@ -34,12 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.costs import CostModel
+from ..decoding.schedule import NUM_SCHEDULES, SCHEDULES
 from ..decoding.scheduler import LearnedScheduler
 from ..files import write_csv, write_text
-from ..scheduling.collect import CostModel, Trajectories
+from ..scheduling.collect import Trajectories
 from ..scheduling.device import fit_for_device, measured_budgets, priced
 from ..scheduling.fit import oracle_schedules, schedules_from_margins
-from ..scheduling.value import NUM_SCHEDULES, SCHEDULES, Rounds
+from ..scheduling.value import Rounds
 from .benchmarks import BENCHMARKS
 from .evaluate import plot_speedups
 

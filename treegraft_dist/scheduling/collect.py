@@ -22,10 +22,8 @@ quantities (forward sizes, pruned sizes), so latencies can be recomputed under a
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,151 +33,21 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from ..decoding.config import TreeConfig
-from ..decoding.costs import device_name, forward_ms, latency_profile, measured_when_busy, model_key
-from ..decoding.engine import check_request, next_frontier, truncate
+from ..decoding.costs import CostModel
+from ..decoding.engine import check_request, truncate
 from ..decoding.neural import NeuralDrafter
 from ..decoding.ngram import NGramDrafter
 from ..decoding.sampling import SamplingParams
-from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, Timings, compute_signals, context_signals
-from ..decoding.tree import DraftTree
+from ..decoding.schedule import NUM_SCHEDULES
+from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, compute_signals, context_signals
+from ..decoding.tree import DraftTree, next_frontier
 from ..decoding.verify import TargetVerifier
-from ..files import replacing, write_json
+from ..files import replacing
 from ..models.hf import CausalLM
-from .value import NUM_DECISION_STATES, NUM_SCHEDULES, NUM_STATES, SCHEDULES
+from .value import NUM_DECISION_STATES, NUM_STATES
 
 D = MAX_LAYERS
-MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
 FORWARDS_PER_CALL = 2  # a middle call runs the unseen internal nodes, then the unseen selected nodes
-
-
-# -- the cost model -----------------------------------------------------------------------------------
-
-def _interp(table: dict[int, float], x: float) -> float:
-    """Piecewise-linear in x through the measured points, extended linearly past the last two."""
-    xs = np.array(sorted(table), np.float64)
-    ys = np.array([table[int(k)] for k in xs], np.float64)
-    if len(xs) == 1 or x <= xs[-1]:
-        return float(np.interp(x, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return float(ys[-1] + slope * (x - xs[-1]))
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Measured costs on one device, in milliseconds."""
-
-    device: str
-    ngram_ms: float  # one n-gram drafting step
-    scheduler_ms: float  # one scheduler call (signals + decision), paid before every layer
-    middle_ms: dict[int, float]  # tokens in one middle-drafter forward -> ms
-    verify_ms: dict[int, float]  # pruned tree size -> ms of one target verification
-
-    def middle(self, tokens: int) -> float:
-        return 0.0 if tokens <= 0 else _interp(self.middle_ms, tokens)
-
-    def verify(self, size: int) -> float:
-        return _interp(self.verify_ms, size)
-
-    def timings(self, budget: int) -> Timings:
-        """T_tgt and T_mid as the engine measures them (one forward over a budget-sized block)."""
-        return Timings(self.verify(budget), self.middle(budget))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["middle_ms"] = {str(k): v for k, v in self.middle_ms.items()}
-        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        try:
-            return cls(str(d["device"]), float(d["ngram_ms"]), float(d["scheduler_ms"]),
-                       {int(k): float(v) for k, v in d["middle_ms"].items()},
-                       {int(k): float(v) for k, v in d["verify_ms"].items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"not a cost model ({type(e).__name__}: {e}); expected the keys device, ngram_ms, "
-                             "scheduler_ms, middle_ms, verify_ms as `treegraft collect` writes them") from e
-
-    def schedule_latency(self, forwards: np.ndarray, sizes: np.ndarray, catch_up: int = 1) -> np.ndarray:
-        """Latency (ms) of each complete schedule. forwards: [63, 2] middle forward sizes of the step into
-        each prefix state (0 = none); sizes: [B, 32] pruned tree sizes -> [B, 32].
-
-        `catch_up`: tokens the middle drafter has not seen when the round starts (the root and what the
-        last round accepted before it). Trajectories run them before the round; at run time the first call
-        of a round runs them in its first forward, so that is where they are priced."""
-        draft = np.zeros(NUM_SCHEDULES)
-        for s in range(NUM_SCHEDULES):
-            state, called = 0, False
-            for bit in SCHEDULES[s]:
-                state = 2 * state + 1 + int(bit)
-                if not bit:
-                    draft[s] += self.ngram_ms
-                    continue
-                a, b = (int(x) for x in forwards[state])
-                if not called:  # the catch-up joins the first forward that runs
-                    a, b = (a + catch_up, b) if a else (0, b + catch_up)
-                    called = True
-                draft[s] += self.middle(a) + self.middle(b)
-        draft += D * self.scheduler_ms
-        verify = np.vectorize(self.verify, otypes=[np.float64])(sizes)
-        return draft[None, :] + verify
-
-
-def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, float]:
-    """ms of one middle-drafter forward per block size, measured once per (model, device), cached."""
-    path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}--middle.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        cached = {int(k): v for k, v in saved["forward_ms"].items()}
-        # Profiles from before drafting passes were timed as such ended with the full head: measure again.
-        if saved.get("pass") == "drafting" and not measured_when_busy(lm, cached[min(cached)], path, min(cached),
-                                                                       drafting=True):
-            return cached
-    measured = {b: forward_ms(lm, b, repeats=2, drafting=True)
-                for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
-    profile, floor = {}, float("inf")
-    for b in sorted(measured, reverse=True):  # never cheaper for more tokens: a dip is noise
-        floor = min(floor, measured[b])
-        profile[b] = floor
-    profile = dict(sorted(profile.items()))
-    write_json(path, {"model": source, "device": device_name(lm.device), "pass": "drafting",
-                      "forward_ms": {str(k): v for k, v in profile.items()}})
-    return profile
-
-
-def cpu_step_costs(context: list[int], cfg: TreeConfig, repeats: int = 200) -> tuple[float, float]:
-    """Median ms of (one n-gram step, one scheduler call) over trees grown on `context` (a real prompt)."""
-    from ..decoding.scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
-
-    ngram = NGramDrafter.from_config(cfg)
-    ngram.start(list(context), None)
-    policy = LearnedScheduler(SchedulerMLP(), SchedulerInfo(("", "")))
-    ctx = context_signals(len(context), Timings(1.0, 1.0))
-    step_ms, sched_ms = [], []
-    for _ in range(max(1, repeats // cfg.depth)):
-        tree, frontier, calls = DraftTree(int(context[-1])), np.zeros(1, np.int64), []
-        for layer in range(cfg.depth):
-            t0 = time.perf_counter()
-            sig = compute_signals(tree, frontier, layer, calls, cfg.depth, cfg.lookback, cfg.top_k, ctx)
-            policy.decide(sig, layer)
-            t1 = time.perf_counter()
-            proposal = ngram.step(tree, frontier, layer + 1)
-            t2 = time.perf_counter()
-            ids = tree.graft(proposal, layer + 1)
-            if len(proposal):
-                frontier = next_frontier(tree, proposal, ids, cfg.top_k)
-            calls.append(False)
-            sched_ms.append((t1 - t0) * 1e3)
-            step_ms.append((t2 - t1) * 1e3)
-    return statistics.median(step_ms), statistics.median(sched_ms)
-
-
-def measure_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
-                  context: list[int], cfg: TreeConfig) -> CostModel:
-    verify = latency_profile(target, target_source, cache_dir)
-    mid = middle_profile(middle, middle_source, cache_dir)
-    ngram_ms, sched_ms = cpu_step_costs(context, cfg)
-    return CostModel(device_name(target.device), ngram_ms, sched_ms, mid, verify)
 
 
 # -- one round, every schedule ------------------------------------------------------------------------

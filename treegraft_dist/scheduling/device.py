@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 
 from ..decoding.config import TreeConfig
-from ..decoding.costs import device_name, latency_profile, model_key
+from ..decoding.costs import CostModel, device_costs, profile_key
 from ..decoding.scheduler import LearnedScheduler, SchedulerArtifactError
-from ..files import write_json
 from ..models.hf import CausalLM
-from .collect import CostModel, Trajectories, measure_costs, middle_profile, read_trajectories
+from .collect import Trajectories, read_trajectories
 from .value import ValueHeads, load_artifact
 
 PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
@@ -47,28 +46,6 @@ SHIPPED_TRAJECTORIES = {
 def shipped_trajectories(pair: tuple[str, str] | None) -> Path | None:
     folder = SHIPPED_TRAJECTORIES.get(tuple(pair)) if pair else None
     return folder if folder is not None and (folder / "collect.json").is_file() else None
-
-
-def profile_key(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str) -> str:
-    """(model pair with its dtype, device with its threads) as one file-name-safe string."""
-    return f"{model_key(target, target_source)}+{model_key(middle, middle_source)}--{device_name(target.device)}"
-
-
-def device_costs(target: CausalLM, target_source: str, middle: CausalLM, middle_source: str, cache_dir: Path,
-                 context: list[int], tree: TreeConfig) -> CostModel:
-    """The cost profile of this pair on this device, measured on first use and cached as JSON."""
-    key = profile_key(target, target_source, middle, middle_source)
-    path = cache_dir / "profiles" / f"{key}--costs.json"
-    if path.is_file():
-        cost = CostModel.from_dict(json.loads(path.read_text()))
-        # Its model costs must be those of the (self-checking) per-model profiles: one re-measured after a
-        # busy first measurement makes this one stale too.
-        if (cost.verify_ms == latency_profile(target, target_source, cache_dir)
-                and cost.middle_ms == middle_profile(middle, middle_source, cache_dir)):
-            return cost
-    cost = measure_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
-    write_json(path, cost.to_dict())
-    return cost
 
 
 def priced(traj: Trajectories, cost: CostModel) -> Trajectories:

@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.costs import CostModel
+from ..decoding.schedule import SCHEDULES
 from ..decoding.scheduler import LearnedScheduler, SchedulerInfo
 from . import value
-from .collect import CostModel, Trajectories
+from .collect import Trajectories
 from .value import (
     CANDIDATE_SUBSETS,
     NUM_DECISION_STATES,
-    SCHEDULES,
     Rounds,
     ValueHeads,
     feasible,

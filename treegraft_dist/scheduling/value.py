@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.schedule import NUM_SCHEDULES, SCHEDULES
 from ..decoding.scheduler import LearnedScheduler, SchedulerArtifactError, SchedulerInfo, SchedulerMLP, subset_mask
 from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, SIGNAL_NAMES
 
 D = MAX_LAYERS
-NUM_SCHEDULES = 2**D  # 32
 NUM_DECISION_STATES = 2**D - 1  # 31
 NUM_STATES = 2 ** (D + 1) - 1  # 63
 SUFFIX_WIDTH = 2 * D  # future bits + future mask
@@ -45,10 +45,6 @@ _STD_FLOOR = 1e-6  # a signal constant over the training states is left unscaled
 # thousands of standard deviations.
 _CONSTANT_SPREAD = 1e-3
 PREDICTION_RANGE = 6.0  # value-head outputs are kept within this many target std of the training mean
-
-# [32, 5] int8: bit l of schedule s
-SCHEDULES = np.array(list(itertools.product((0, 1), repeat=D)), np.int8)
-
 
 def state_index(prefix) -> int:
     """Heap-order index of the prefix state reached by the bits `prefix` (length 0 .. D)."""
