@@ -29,7 +29,7 @@ from tqdm import tqdm
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import CANDIDATES, CostModel, device_costs, profile_key
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
-from treegraft_dist.files import write_json
+from treegraft_dist.files import write_json, write_parquet
 from treegraft_dist.models.loading import load_model, load_tokenizer
 from treegraft_dist.scheduling.collect import (
     HELD_OUT_BENCHMARKS,
@@ -39,7 +39,6 @@ from treegraft_dist.scheduling.collect import (
     Collector,
     part_name,
     records_table,
-    write_part,
 )
 from treegraft_dist.scheduling.device import PROFILE_KEY
 
@@ -129,7 +128,7 @@ class CollectWorker:
             rounds = 0
             if not skipped:
                 records = self.collector.rounds(ids, self.cfg["max_new_tokens"], self.target.eos_ids)
-                write_part(records_table(records, bench, qid, len(ids), self.collector.budgets, self.cost), path)
+                write_parquet(path, records_table(records, bench, qid, len(ids), self.collector.budgets, self.cost))
                 rounds = len(records)
             for k, v in zip(done, (bench, qid, rounds, time.perf_counter() - start, skipped)):
                 done[k].append(v)

@@ -36,22 +36,12 @@ from tqdm import tqdm
 
 from treegraft_dist.decoding.engine import AR_METHOD
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, BenchmarkError, Question, builtin, chat_prompt
-from treegraft_dist.evaluation.evaluate import (
-    ALL_METHODS,
-    PUBLISHED,
-    SIZED,
-    EvalConfig,
-    Evaluation,
-    is_method,
-    is_ours,
-    row_verdict,
-    select_questions,
-    summarize,
-    write_parquet_atomic,
-)
+from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation, select_questions
 from treegraft_dist.evaluation.lossless import MISMATCH
+from treegraft_dist.evaluation.methods import ALL_METHODS, PUBLISHED, SIZED, is_method, is_ours
 from treegraft_dist.evaluation.peers import PEER_METHODS
-from treegraft_dist.files import write_json, write_text
+from treegraft_dist.evaluation.summary import row_verdict, summarize
+from treegraft_dist.files import write_json, write_parquet, write_text
 from treegraft_dist.models.loading import DTYPES, ModelError, check_pair, check_tokenizers, load_model, load_tokenizer
 from treegraft_dist.models.prepare import PrepareError, resolve_model_path
 from treegraft_dist.scheduling.collect import part_name
@@ -211,7 +201,7 @@ def read_cell(path: Path) -> dict:
 
 
 def write_cell(path: Path, row: dict) -> None:
-    write_parquet_atomic(pa.Table.from_pylist([row]), path)
+    write_parquet(path, pa.Table.from_pylist([row]))
 
 
 # -- the worker -----------------------------------------------------------------------------------------
@@ -416,7 +406,7 @@ def finish(grid: Grid, out: Path, questions: list[Question]) -> list[tuple]:
             tables.append(f"## {group}\n\n{summary.table()}\n")
             mismatches += [(group, label["method"], r["benchmark"], r["prompt_id"]) for r, label in zip(rows, labelled)
                            if row_verdict(r) == MISMATCH and is_ours(r["method"])]
-    write_parquet_atomic(pa.Table.from_pylist(everything), out / RESULTS)
+    write_parquet(out / RESULTS, pa.Table.from_pylist(everything))
     write_text(out / "summary.md", "\n".join(tables))
     print("\n".join(tables))
     print(f"results: {out / RESULTS} ({len(everything)} rows)\nsummary: {out / 'summary.md'}\ncharts: "

@@ -263,7 +263,7 @@ def test_the_oracle_is_refused_on_a_distributed_engine(pair, artifact, tmp_path)
 
 
 def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair, tmp_path):
-    from treegraft_dist.evaluation.evaluate import fixed_base
+    from treegraft_dist.evaluation.methods import fixed_base
 
     assert fixed_base("all-small@published") == "all-small" and fixed_base("01001@published") == "01001"
     assert fixed_base("treegraft@published") is None and fixed_base("hf-pld") is None
@@ -281,7 +281,7 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
 
 
 def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):
-    from treegraft_dist.evaluation.evaluate import fixed_base, is_sized
+    from treegraft_dist.evaluation.methods import fixed_base, is_sized
 
     assert fixed_base("all-small@published@sized") == "all-small" and is_sized("01001@sized")
     assert is_sized("treegraft@sized") and not is_sized("treegraft") and not is_sized("all-small")

@@ -12,7 +12,7 @@ import treegraft_dist.decoding.verify as verify
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder, Generation
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
-from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation, summarize, summarize_folder
+from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation
 from treegraft_dist.evaluation.lossless import (
     EXACT,
     MISMATCH,
@@ -22,6 +22,7 @@ from treegraft_dist.evaluation.lossless import (
     target_logits,
     tolerance,
 )
+from treegraft_dist.evaluation.summary import summarize, summarize_folder
 from treegraft_dist.models.hf import CausalLM
 from treegraft_dist.models.loading import LoadedModel
 

@@ -7,6 +7,7 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from treegraft_dist.files import write_parquet
 from treegraft_dist.models.hf import CausalLM
 
 VOCAB = 96
@@ -97,13 +98,12 @@ def write_trajectories(folder, target: CausalLM, middle: CausalLM, pair, prompts
         Collector,
         part_name,
         records_table,
-        write_part,
-    )
+        )
 
     collector = Collector(target, middle, tree, cost, budgets)
     for bench, qid, ids in prompts:
         table = records_table(collector.rounds(ids, max_new_tokens), bench, qid, len(ids), budgets, cost)
-        write_part(table, folder / ROUNDS_DIR / part_name(bench, qid))
+        write_parquet(folder / ROUNDS_DIR / part_name(bench, qid), table)
     manifest = {"schema_version": SCHEMA_VERSION, "pair": list(pair), "tree": tree.to_dict(),
                 "max_new_tokens": max_new_tokens, "cost_model": cost.to_dict(), "budgets": list(budgets)}
     (folder / MANIFEST).write_text(json.dumps(manifest))

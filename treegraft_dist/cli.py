@@ -13,7 +13,8 @@ from .decoding.engine import AR_METHOD, Decoder
 from .decoding.sampling import SamplingParams
 from .decoding.schedule import fixed_schedule
 from .evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
-from .evaluation.evaluate import DEFAULT_METHODS, EvalConfig, Evaluation
+from .evaluation.evaluate import EvalConfig, Evaluation
+from .evaluation.methods import DEFAULT_METHODS
 from .models import compact, draft, kernels, precision
 from .models.loading import (
     LoadedModel,
@@ -247,7 +248,7 @@ def _report(summary, out: Path) -> int:
 
 
 def cmd_summary(args) -> int:
-    from .evaluation.evaluate import summarize_folder
+    from .evaluation.summary import summarize_folder
 
     return _report(summarize_folder(Path(args.out)), Path(args.out))
 

@@ -61,3 +61,11 @@ def write_csv(path: str | os.PathLike, rows: list[dict]) -> None:
     writer.writeheader()
     writer.writerows(rows)
     write_text(path, buf.getvalue())
+
+
+def write_parquet(path: str | os.PathLike, table) -> None:
+    """A pyarrow Table as one Parquet file."""
+    import pyarrow.parquet as pq
+
+    with replacing(path) as tmp:
+        pq.write_table(table, tmp)

@@ -15,48 +15,51 @@ counts are equal that is exactly the ratio of wall times; after a near-tie a met
 shorter or longer than ar's (it stopped at eos elsewhere), and the ratio of wall times would credit or
 charge it for tokens it did not decode. Methods run interleaved per prompt, so machine noise hits them
 alike; one warm-up request per method (not timed) comes first.
+
+The method registry is methods.py; reading results back, the summary table and the chart are summary.py.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from ..decoding.config import TreeConfig
 from ..decoding.costs import CANDIDATES, CostModel, choose_budget, latency_profile
 from ..decoding.engine import AR_METHOD, Decoder, Generation
-from ..decoding.schedule import NAMED_SCHEDULES, SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from ..decoding.schedule import SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
 from ..decoding.sizing import TreeSizer
-from ..files import replacing, write_text
+from ..files import write_parquet
 from ..models.loading import LoadedModel
 from ..models.prepare import cache_root
-from ..scheduling.collect import HELD_OUT_BENCHMARKS, Collector
+from ..scheduling.collect import Collector
 from ..scheduling.device import PROFILE_KEY, resolve_scheduler
 from ..scheduling.value import ValuePlanner, load_artifact
 from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questions
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
+from .methods import (
+    ALL_METHODS,
+    DEFAULT_METHODS,
+    ORACLE,
+    PUBLISHED,
+    SIZED,
+    TREEGRAFT,
+    VALUE_PLANNER,
+    artifact_base,
+    fixed_base,
+    is_method,
+    is_ours,
+    is_sized,
+)
 from .peers import PEER_METHODS, run_peer
+from .summary import Summary, summarize
 
-TREEGRAFT = "treegraft"
-VALUE_PLANNER = "value-planner"
-ORACLE = "oracle"
-OUR_FIXED = tuple(NAMED_SCHEDULES)
-DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
-# Methods read from a scheduler artifact; value-planner and oracle are for studying the scheduler (the
-# oracle enumerates all 32 schedules of every round before its timed decode), so not in the default list.
-ARTIFACT_METHODS = (TREEGRAFT, VALUE_PLANNER, ORACLE)
-ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 WARMUP_PROMPTS = 2
 COST_CONTEXT_BENCHMARK = "humaneval"  # its last question: the context an n-gram step is timed on
 WARMUP_TOKENS = 12  # per warm-up prompt when probing budgets; the other warm-ups need only a few tokens
@@ -99,43 +102,6 @@ class EvalConfig:
             if stray:
                 raise ValueError(f"--budget names {', '.join(stray)}, which is not one of our tree methods in "
                                  f"--methods ({', '.join(m for m in self.methods if m not in PEER_METHODS)})")
-
-
-# A fixed schedule with this suffix (all-small@published) runs with the published tree settings: no long
-# n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
-PUBLISHED = "@published"
-
-
-# A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
-# sizes every round's tree from calibrated acceptance and this device's verification costs (sizing.py) instead
-# of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
-SIZED = "@sized"
-
-
-def artifact_base(m: str) -> str | None:
-    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized for treegraft; else None."""
-    if m in ARTIFACT_METHODS:
-        return m
-    return TREEGRAFT if m == TREEGRAFT + SIZED else None
-
-
-def fixed_base(m: str) -> str | None:
-    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @sized), else None."""
-    base = m.removesuffix(SIZED).removesuffix(PUBLISHED)
-    return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
-
-
-def is_method(m: str) -> bool:
-    return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
-
-
-def is_sized(m: str) -> bool:
-    return m.endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
-
-
-def is_ours(m: str) -> bool:
-    """Methods whose outputs must equal `ar` (a mismatch fails the run); peers are only reported."""
-    return m not in PEER_METHODS
 
 
 @dataclass
@@ -350,7 +316,7 @@ class Evaluation:
                 if row["verdict"] == MISMATCH and is_ours(method):
                     mismatches.append((method, p.benchmark, p.prompt_id))
                 self.rows.append(row)
-            write_parquet_atomic(pa.Table.from_pylist(self.rows), cfg.out / "results.parquet")
+            write_parquet(cfg.out / "results.parquet", pa.Table.from_pylist(self.rows))
         bar.close()
         summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
         summary.write(cfg.out)
@@ -382,166 +348,3 @@ def _row(method: str, p: Prompt, gen: Generation, check: Check, budget: int | No
         "logit_gap": check.logit_gap, "tolerance": check.tolerance,
         **{f"{k}_s": v for k, v in s.seconds.items()},
     }
-
-
-def write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    with replacing(path) as tmp:
-        pq.write_table(table, tmp)
-
-
-@dataclass
-class Summary:
-    """Per (benchmark, method) and per method over all benchmarks."""
-
-    rows: list[dict]
-    methods: list[str]
-    benchmarks: list[str]
-    mismatches: list = field(default_factory=list)
-
-    def table(self) -> str:
-        split = [g for g in ("(held-in)", "(held-out)") if any(r["benchmark"] == g for r in self.rows)]
-        head = ("| method | " + " | ".join(self.benchmarks) + " | mean speedup | "
-                + "".join(f"{g[1:-1]} mean | " for g in split)
-                + "accepted/round | tok/s | mid calls/round | exact/near-tie/mismatch |")
-        sep = "|" + "---|" * (len(self.benchmarks) + 6 + len(split))
-        lines = [head, sep]
-        for m in self.methods:
-            per = {r["benchmark"]: r for r in self.rows if r["method"] == m}
-            mean = per["(mean)"]
-            cells = [f"{per[b]['speedup']:.2f}x" for b in self.benchmarks]
-            cells += [f"{mean['speedup']:.2f}x"] + [f"{per[g]['speedup']:.2f}x" for g in split]
-            acc = "-" if mean["mean_accepted"] != mean["mean_accepted"] else f"{mean['mean_accepted']:.2f}"
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {acc} | "
-                         f"{mean['tokens_per_s']:.2f} | {mean['middle_calls_per_round']:.2f} | "
-                         f"{_verdict_cell(mean)} |")
-        return "\n".join(lines)
-
-    def write(self, out: Path) -> None:
-        write_text(out / "summary.md", self.table() + "\n")
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(self.rows[0]))
-        w.writeheader()
-        w.writerows(self.rows)
-        write_text(out / "summary.csv", buf.getvalue())
-        plot_speedups(self, out / "speedup.png")
-
-
-def _verdict_cell(row: dict) -> str:
-    return f"{row['exact']}/{row['near_tie']}/{row['mismatch']}"
-
-
-def row_verdict(row: dict) -> str:
-    """A result row's verdict; rows written before verdicts existed have only `lossless`."""
-    return row.get("verdict") or (EXACT if row["lossless"] else MISMATCH)
-
-
-def summarize(t: pa.Table, methods: list[str]) -> Summary:
-    """Per (benchmark, method): speedup = the method's tokens/s over ar's (see the module docstring)."""
-    rows = []
-    benches = sorted(set(t.column("benchmark").to_pylist()), key=lambda b: list(BENCHMARKS).index(b)
-                     if b in BENCHMARKS else len(BENCHMARKS))
-    ar_rate = {}
-    for b in benches:
-        ar = t.filter((pc.field("method") == AR_METHOD) & (pc.field("benchmark") == b))
-        ar_rate[b] = pc.sum(ar.column("new_tokens")).as_py() / pc.sum(ar.column("wall_s")).as_py()
-    for m in methods:
-        per_bench = []
-        for b in benches:
-            sub = t.filter((pc.field("method") == m) & (pc.field("benchmark") == b)).to_pylist()
-            wall = sum(r["wall_s"] for r in sub)
-            tokens = sum(r["new_tokens"] for r in sub)
-            rounds = sum(r["rounds"] for r in sub)
-            accepted = sum(r["mean_accepted"] * r["rounds"] for r in sub if r["rounds"])
-            verdicts = [row_verdict(r) for r in sub]
-            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": tokens / wall / ar_rate[b],
-                   "mean_accepted": accepted / rounds if rounds else float("nan"),
-                   "tokens_per_s": tokens / wall, "middle_calls_per_round":
-                       sum(r["middle_calls"] for r in sub) / rounds if rounds else 0.0,
-                   "exact": verdicts.count(EXACT), "near_tie": verdicts.count(NEAR_TIE),
-                   "mismatch": verdicts.count(MISMATCH)}
-            per_bench.append(row)
-            rows.append(row)
-        rows.append(_mean_row(m, "(mean)", per_bench))
-        held_out = [r for r in per_bench if r["benchmark"] in HELD_OUT_BENCHMARKS]
-        if held_out and len(held_out) < len(per_bench):
-            # The scheduler never saw these benchmarks (nor any evaluated prompt): report them apart.
-            rows.append(_mean_row(m, "(held-in)", [r for r in per_bench if r not in held_out]))
-            rows.append(_mean_row(m, "(held-out)", held_out))
-    return Summary(rows, methods, benches)
-
-
-def summarize_folder(out: Path) -> Summary:
-    """The summary of an eval folder's results.parquet, rewritten to summary.md, summary.csv and the chart: for a
-    run that was interrupted (its rows hold every prompt it finished) or a folder copied from elsewhere."""
-    out = Path(out)
-    path = out / "results.parquet"
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist: give the --out folder of a `treegraft eval` run")
-    try:
-        t = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path} is not a readable Parquet file ({e})") from None
-    missing = {"method", "benchmark", "prompt_id", "new_tokens", "wall_s", "rounds", "mean_accepted",
-               "middle_calls", "lossless"} - set(t.column_names)
-    if missing or not len(t):
-        raise ValueError(f"{path} is not an eval result table (missing columns: {', '.join(sorted(missing)) or '-'}, "
-                         f"{len(t)} rows)")
-    methods = list(dict.fromkeys(t.column("method").to_pylist()))
-    if AR_METHOD not in methods:
-        raise ValueError(f"{path} has no {AR_METHOD!r} rows: speedups are measured against them")
-    rows = t.to_pylist()
-    have: dict[tuple, set] = {}
-    for r in rows:
-        have.setdefault(_prompt_key(r), set()).add(r["method"])
-    # Speedups compare methods on the same prompts: a prompt some method lacks is left out of every mean.
-    rows = [r for r in rows if have[_prompt_key(r)] == set(methods)]
-    if not rows:
-        raise ValueError(f"{path}: no prompt has a row for every method ({', '.join(methods)})")
-    summary = summarize(pa.Table.from_pylist(rows), methods)
-    summary.write(out)
-    mismatches = [(r["method"], r["benchmark"], r["prompt_id"]) for r in rows
-                  if row_verdict(r) == MISMATCH and is_ours(r["method"])]
-    return dataclasses.replace(summary, mismatches=mismatches)
-
-
-def _prompt_key(row: dict) -> tuple:
-    return row["benchmark"], row["prompt_id"], row.get("turn", 0)
-
-
-def _mean_row(method: str, name: str, per_bench: list[dict]) -> dict:
-    n = len(per_bench)
-    return {"method": method, "benchmark": name, "prompts": sum(r["prompts"] for r in per_bench),
-            "speedup": sum(r["speedup"] for r in per_bench) / n,
-            "mean_accepted": _nanmean([r["mean_accepted"] for r in per_bench]),
-            "tokens_per_s": sum(r["tokens_per_s"] for r in per_bench) / n,
-            "middle_calls_per_round": sum(r["middle_calls_per_round"] for r in per_bench) / n,
-            **{k: sum(r[k] for r in per_bench) for k in ("exact", "near_tie", "mismatch")}}
-
-
-def _nanmean(xs: list[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def plot_speedups(summary: Summary, path: Path, title: str = "Speedup by benchmark") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = summary.benchmarks + ["(mean)"]
-    methods = [m for m in summary.methods if m != AR_METHOD]
-    width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(groups)), 4.2))
-    for j, m in enumerate(methods):
-        vals = [next(r["speedup"] for r in summary.rows if r["method"] == m and r["benchmark"] == g) for g in groups]
-        ax.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))], vals, width, label=m)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup over ar (tokens/s)")
-    ax.set_title(title)
-    ax.legend(fontsize=8, ncols=min(len(methods), 4))
-    fig.tight_layout()
-    with replacing(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)

@@ -43,7 +43,7 @@ from ..scheduling.device import fit_for_device, measured_budgets, priced
 from ..scheduling.fit import oracle_schedules, schedules_from_margins
 from ..scheduling.value import Rounds
 from .benchmarks import BENCHMARKS
-from .evaluate import plot_speedups
+from .summary import plot_speedups
 
 LABEL = "projected from measured costs"
 AR, ALL_SMALL, ALL_MID, TREEGRAFT, ORACLE = "ar", "all-small", "all-mid", "treegraft", "oracle"

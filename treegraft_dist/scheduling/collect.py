@@ -42,7 +42,6 @@ from ..decoding.schedule import NUM_SCHEDULES
 from ..decoding.signals import MAX_LAYERS, NUM_SIGNALS, compute_signals, context_signals
 from ..decoding.tree import DraftTree, next_frontier
 from ..decoding.verify import TargetVerifier
-from ..files import replacing
 from ..models.hf import CausalLM
 from .value import NUM_DECISION_STATES, NUM_STATES
 
@@ -226,12 +225,6 @@ def records_table(records: list[RoundRecord], benchmark: str, prompt_id: str, pr
             "behaviour": rec.behaviour,
         })
     return pa.Table.from_pylist(rows, schema=ROUND_SCHEMA)
-
-
-def write_part(table: pa.Table, path: Path) -> None:
-    """Write one prompt's rounds whole or not at all (temporary file, then rename)."""
-    with replacing(path) as tmp:
-        pq.write_table(table, tmp)
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""The evaluation's method registry: which names `--methods` takes and what each one runs.
+
+  ar                      plain greedy decoding with the target alone: the reference every output is checked
+                          against (decoding.engine.AR_METHOD);
+  all-small, all-mid      fixed schedules (the n-gram drafter, or the middle drafter, at every layer); a 5-bit
+                          pattern such as 01001 is any other fixed schedule;
+  treegraft               the learned scheduler fitted for this device (decoding.scheduler);
+  value-planner, oracle   for studying the scheduler: the value heads planning online, and the best schedule
+                          of every round in hindsight (enumerated before its timed decode);
+  hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
+
+Suffixes: a fixed schedule with @published runs the published tree settings; a fixed schedule or treegraft
+with @sized sizes every round's tree from calibrated acceptance and this device's costs.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..decoding.engine import AR_METHOD
+from ..decoding.schedule import NAMED_SCHEDULES
+from .peers import PEER_METHODS
+
+TREEGRAFT = "treegraft"
+VALUE_PLANNER = "value-planner"
+ORACLE = "oracle"
+OUR_FIXED = tuple(NAMED_SCHEDULES)
+DEFAULT_METHODS = (AR_METHOD, "all-small", "all-mid", TREEGRAFT) + PEER_METHODS
+# Methods read from a scheduler artifact; value-planner and oracle are for studying the scheduler (the
+# oracle enumerates all 32 schedules of every round before its timed decode), so not in the default list.
+ARTIFACT_METHODS = (TREEGRAFT, VALUE_PLANNER, ORACLE)
+ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
+
+# A fixed schedule with this suffix (all-small@published) runs with the published tree settings: no long
+# n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
+PUBLISHED = "@published"
+
+
+# A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
+# sizes every round's tree from calibrated acceptance and this device's verification costs (sizing.py) instead
+# of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
+SIZED = "@sized"
+
+
+def artifact_base(m: str) -> str | None:
+    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized for treegraft; else None."""
+    if m in ARTIFACT_METHODS:
+        return m
+    return TREEGRAFT if m == TREEGRAFT + SIZED else None
+
+
+def fixed_base(m: str) -> str | None:
+    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @sized), else None."""
+    base = m.removesuffix(SIZED).removesuffix(PUBLISHED)
+    return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
+
+
+def is_method(m: str) -> bool:
+    return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
+
+
+def is_sized(m: str) -> bool:
+    return m.endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
+
+
+def is_ours(m: str) -> bool:
+    """Methods whose outputs must equal `ar` (a mismatch fails the run); peers are only reported."""
+    return m not in PEER_METHODS
