@@ -103,7 +103,7 @@ class OpenAIServer:
     @staticmethod
     def _treegraft_policy(scheduler: str | None, pair):
         from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
-        from treegraft_dist.scheduling.value import load_artifact
+        from treegraft_dist.scheduling.artifact import load_artifact
 
         return load_artifact(scheduler, expect_pair=pair)[0] if scheduler else ShallowTreeHeuristic()
 

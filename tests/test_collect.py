@@ -19,9 +19,10 @@ from treegraft_dist.decoding.signals import Timings, context_signals
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
 from treegraft_dist.decoding.verify import TargetVerifier
+from treegraft_dist.scheduling.artifact import load_artifact
 from treegraft_dist.scheduling.collect import Collector, Trajectories, accepted_length, records_table
 from treegraft_dist.scheduling.fit import call_cap, feasible, fit, oracle_schedules
-from treegraft_dist.scheduling.value import ValuePlanner, load_artifact, state_index
+from treegraft_dist.scheduling.value import ValuePlanner, state_index
 
 COST = CostModel("test", ngram_ms=1.0, scheduler_ms=0.3, middle_ms={1: 20.0, 8: 24.0, 64: 60.0},
                  verify_ms={1: 100.0, 4: 110.0, 16: 150.0, 32: 200.0})

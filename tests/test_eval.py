@@ -217,7 +217,7 @@ def artifact(pair, tmp_path_factory):
 
 
 def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifact, tmp_path):
-    from treegraft_dist.scheduling.value import load_artifact
+    from treegraft_dist.scheduling.artifact import load_artifact
 
     target, middle = pair
     cfg = EvalConfig(benchmarks=["gsm8k", "mt_bench"], methods=["all-small", "treegraft", "value-planner", "oracle"],

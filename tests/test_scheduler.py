@@ -26,7 +26,7 @@ from treegraft_dist.decoding.scheduler import (
     versions,
 )
 from treegraft_dist.decoding.signals import NUM_SIGNALS, SIGNAL_NAMES, Timings
-from treegraft_dist.scheduling import value
+from treegraft_dist.scheduling import artifact, value
 
 IDX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 PAIR = ("tiny-target", "tiny-middle")
@@ -344,12 +344,12 @@ def test_value_planner_decides_as_the_sign_of_the_margins(fitted):
 def test_artifact_round_trip_keeps_the_value_heads(tmp_path, fitted):
     rounds, heads = fitted
     sched = random_scheduler(12)
-    path = value.save_artifact(tmp_path / "s.npz", sched, heads)
+    path = artifact.save_artifact(tmp_path / "s.npz", sched, heads)
     assert [p.name for p in tmp_path.iterdir()] == ["s.npz"]
     with np.load(path) as z:
         assert {"value.mean", "value.std", "value.target_norm", "value.accepted_skip.0.weight",
                 "value.loglat_call.4.bias", "w1", "meta_json"} <= set(z.files)
-    loaded_sched, loaded = value.load_artifact(path, expect_pair=PAIR)
+    loaded_sched, loaded = artifact.load_artifact(path, expect_pair=PAIR)
     assert loaded.subset == heads.subset and loaded.target_norm == heads.target_norm
     assert loaded.hidden == heads.hidden == 32
     x = rounds.signals[:, value.QUERY_STATE].reshape(-1, NUM_SIGNALS)
@@ -364,11 +364,11 @@ def test_artifact_round_trip_keeps_the_value_heads(tmp_path, fitted):
     # The scheduler alone still loads from it, and saving it again keeps the heads.
     plain = LearnedScheduler.load(path, expect_pair=PAIR)
     assert plain.extra_meta["value"]["hidden"] == 32
-    again = value.load_artifact(plain.save(tmp_path / "again.npz"))[1]
+    again = artifact.load_artifact(plain.save(tmp_path / "again.npz"))[1]
     assert all(np.array_equal(again.predict(x, suffix)[h], before[h]) for h in value.HEADS)
     # Without heads: None, from either writer.
-    assert value.load_artifact(value.save_artifact(tmp_path / "none.npz", sched, None))[1] is None
-    assert value.load_artifact(sched.save(tmp_path / "plain.npz"))[1] is None
+    assert artifact.load_artifact(artifact.save_artifact(tmp_path / "none.npz", sched, None))[1] is None
+    assert artifact.load_artifact(sched.save(tmp_path / "plain.npz"))[1] is None
 
 
 def drop(path, key):
@@ -391,13 +391,13 @@ def drop(path, key):
                                            "heads": list(value.HEADS)}}), "not a non-empty subset"),
 ])
 def test_damaged_value_heads_are_refused_with_a_reason(tmp_path, fitted, damage, message):
-    path = value.save_artifact(tmp_path / "s.npz", random_scheduler(14), fitted[1])
+    path = artifact.save_artifact(tmp_path / "s.npz", random_scheduler(14), fitted[1])
     damage(path)
     with pytest.raises(SchedulerArtifactError, match=message) as err:
-        value.load_artifact(path, expect_pair=PAIR)
+        artifact.load_artifact(path, expect_pair=PAIR)
     text = str(err.value)
     assert "\n" not in text and str(path) in text and "damaged value-head part" in text
-    assert "value.save_artifact" in text
+    assert "scheduling.artifact.save_artifact" in text
 
 
 # -- in the engine ------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""`treegraft` command line: generate, eval, summary, collect, fit, project, serve, prepare-models."""
+"""`treegraft` command line: generate, eval, summary, collect, fit, project, serve, prepare-models.
+
+One file at about 500 lines on purpose: each subcommand is its parser and a short handler that checks the
+arguments and calls the package (the work itself lives in decoding/, scheduling/, evaluation/, models/ and
+actors/), and a reader finds every flag of the tool in one place.
+"""
 
 from __future__ import annotations
 
@@ -137,8 +142,8 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     shipped for the pair), else the heuristic."""
     from .decoding.schedule import ShallowTreeHeuristic
     from .models.prepare import cache_root
+    from .scheduling.artifact import load_artifact
     from .scheduling.device import resolve_scheduler
-    from .scheduling.value import load_artifact
 
     pair = (args.target, args.middle)
     if args.distributed:

@@ -4,7 +4,7 @@ whether calling the middle drafter pays (margin > 0) or an n-gram step does.
 It is fitted offline (value.py, fit.py; for the device it runs on, device_scheduler.py) and kept as one
 artifact file: weights, the z-score normalisation, the signal subset it was fitted on, the device cost
 profile and model pair it belongs to, the data split and the versions that wrote it; optionally also the
-value heads it was distilled from (written and read by value.save_artifact / value.load_artifact). At run
+value heads it was distilled from (written and read by scheduling.artifact.save_artifact / load_artifact). At run
 time the forward is a few float32 numpy products on a [17] vector with the normalisation folded into the
 first layer: no torch, no autograd.
 
@@ -141,7 +141,7 @@ class LearnedScheduler:
         self._b3 = float(a["b3"][0])
         self._h1 = np.empty(HIDDEN[0], np.float32)
         self._h2 = np.empty(HIDDEN[1], np.float32)
-        # What the artifact carries besides the scheduler (value.save_artifact puts the value heads here).
+        # What the artifact carries besides the scheduler (scheduling.artifact.save_artifact puts the value heads here).
         self.extra_arrays: dict[str, np.ndarray] = {}
         self.extra_meta: dict = {}
 

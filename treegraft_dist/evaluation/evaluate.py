@@ -38,9 +38,10 @@ from ..decoding.sizing import TreeSizer
 from ..files import write_parquet
 from ..models.loading import LoadedModel
 from ..models.prepare import cache_root
+from ..scheduling.artifact import load_artifact
 from ..scheduling.collect import Collector
 from ..scheduling.device import PROFILE_KEY, resolve_scheduler
-from ..scheduling.value import ValuePlanner, load_artifact
+from ..scheduling.value import ValuePlanner
 from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questions
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .methods import (

@@ -28,8 +28,9 @@ from ..decoding.config import TreeConfig
 from ..decoding.costs import CostModel, device_costs, profile_key
 from ..decoding.scheduler import LearnedScheduler, SchedulerArtifactError
 from ..models.hf import CausalLM
+from .artifact import load_artifact
 from .collect import Trajectories, read_trajectories
-from .value import ValueHeads, load_artifact
+from .value import ValueHeads
 
 PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was fitted for
 # Bumped when the fit changes what it learns from the same data (2: signals constant over the training

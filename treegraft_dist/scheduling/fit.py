@@ -27,6 +27,7 @@ from ..decoding.costs import CostModel
 from ..decoding.schedule import SCHEDULES
 from ..decoding.scheduler import LearnedScheduler, SchedulerInfo
 from . import value
+from .artifact import save_artifact
 from .collect import Trajectories
 from .value import (
     CANDIDATE_SUBSETS,
@@ -192,7 +193,7 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
          "tree": traj.manifest["tree"], "max_new_tokens": traj.manifest["max_new_tokens"]},
     )
     scheduler = LearnedScheduler(model, info)
-    value.save_artifact(out, scheduler, heads)
+    save_artifact(out, scheduler, heads)
     return scheduler, heads, report
 
 
