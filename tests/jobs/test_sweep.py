@@ -16,7 +16,7 @@ from jobs.sweep import CELLS_DIR, load_grid, main
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.models.hf import CausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = 2  # per benchmark
 NEW_TOKENS = 10
 OURS = ["all-small", "all-mid", "treegraft"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.projection import read_profiles
 
-SCRIPT = Path(__file__).parents[1] / "jobs" / "gpu_check.py"
+SCRIPT = Path(__file__).parents[2] / "jobs" / "gpu_check.py"
 QUICK_SIZES = [1, 2, 4, 8]
 QUICK_METHODS = {"ar", "all-small", "all-mid", "01001"}
 

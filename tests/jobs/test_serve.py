@@ -23,7 +23,7 @@ from treegraft_dist.models.hf import CausalLM
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAME = "tiny-serve"
 MAX_REQUESTS, MAX_QUEUED = 4, 30
 

@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 from actors.resources import Resources
 from jobs.serve import SERVER_ARGS, app_builder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = set(SERVER_ARGS)
 
 _CONTAINERS = {"type": "array", "minItems": 1, "items": {

@@ -13,7 +13,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from actors.resources import Resources
 
-CLUSTER_YAML = Path(__file__).parent.parent / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).parents[2] / "cluster.yaml"
 SCHEMA = Path(os.path.dirname(ray.autoscaler.__file__)) / "ray-schema.json"
 
 
