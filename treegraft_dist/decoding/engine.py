@@ -241,40 +241,33 @@ def speculate(
     A middle drafter whose `alive` is False is left out of later rounds; one that answered some steps with
     n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(out)` is
     shown the tokens so far (before truncation) at the start and after each round; when it returns True
-    the request ends there (a client went away, a stop string was met). `draft(root, budgets) -> (tree, calls)` drafts a round in the
-    caller's own way (the coordinator: n-gram layers on the n-gram actor); by default `draft_tree` here.
-    `budget()`, when given, is each round's tree size instead of cfg.budget (the coordinator's, under load).
-    A round of size 1 is a plain step: nothing is drafted, and the drafters hear of its token only when a
-    later round drafts (one accept for the whole run of steps, which is what they would have built from
-    one accept each), so under load a speculative request costs what a plain one does."""
+    the request ends there (a client went away, a stop string was met). `draft(root, budgets) -> (tree,
+    calls)` drafts a round in the caller's own way (the coordinator: n-gram layers on the n-gram actor); by
+    default `draft_tree` here. `budget()`, when given, is each round's tree size instead of cfg.budget (the
+    coordinator's, under load). A round of size 1 is a plain step: nothing is drafted, and the drafters hear
+    of its token only when a later round drafts (one accept for the whole run of steps, which is what they
+    would have built from one accept each), so under load a speculative request costs what a plain one does."""
     out = [first]
     stop = on_tokens is not None and on_tokens(out)
     if sizer is not None:
         sizer.start_request()
+    if draft is None:
+        def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
+            live = middle if middle is not None and getattr(middle, "alive", True) else None
+            return draft_tree(root, cfg, policy, ngram, live, timer, context, settle)
     unseen: list[int] = []  # tokens of plain-step rounds the drafters have not been told yet
     while len(out) < max_new and out[-1] not in eos and not stop:
-        fell_back = getattr(middle, "fallback_steps", 0)
-        # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
         keep = cfg.budget if budget is None else budget()
-        settle = () if sizer is not None else (keep,) + probe_budgets
-        started = time.perf_counter()
         plain = keep == 1 and sizer is None  # the root alone is verified: a plain step, nothing to draft
         if not plain and unseen:
             for d in drafters:  # one accept for a run of plain steps: the drafters drafted nothing in them
                 d.accept([0], unseen)
             unseen = []
-        if plain:
-            tree, calls = DraftTree(out[-1]), []
-        elif draft is None:
-            live = middle if middle is not None and getattr(middle, "alive", True) else None
-            tree, calls = draft_tree(out[-1], cfg, policy, ngram, live, timer, context, settle)
-        else:
-            tree, calls = draft(out[-1], settle)
-        if sizer is None:
-            pruned, kept = tree.prune(keep)
-        else:
-            pruned, kept, _ = sizer.choose(tree)
-            sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
+        started, fell_back = time.perf_counter(), getattr(middle, "fallback_steps", 0)
+        # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
+        settle = () if sizer is not None else (keep,) + probe_budgets
+        tree, calls = (DraftTree(out[-1]), []) if plain else draft(out[-1], settle)
+        pruned, kept = choose_nodes(tree, keep, sizer, started)
         with timer.phase("verify"):
             verdict = verify(pruned)
         if sizer is not None:
@@ -282,20 +275,37 @@ def speculate(
         if plain:  # told at the next round that drafts (no actor message, no work, per plain step)
             unseen.extend(verdict.tokens)
         else:
-            path = [0] + [int(kept[i]) for i in verdict.accepted]
             for d in drafters:
-                d.accept(path, verdict.tokens)
+                d.accept([0] + [int(kept[i]) for i in verdict.accepted], verdict.tokens)
         accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
         out.extend(accepted)
-        stats.accepted.append(len(accepted))
-        stats.tree_sizes.append(pruned.size)
-        stats.middle_calls.append(sum(calls) - (getattr(middle, "fallback_steps", 0) - fell_back))
-        for b in probe_budgets:
-            # The target's greedy continuation is known as far as this round accepted it.
-            hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
-            stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
+        called = sum(calls) - (getattr(middle, "fallback_steps", 0) - fell_back)
+        record_round(stats, tree, pruned.size, verdict, len(accepted), called, probe_budgets)
         stop = on_tokens is not None and on_tokens(out)
     return out
+
+
+def choose_nodes(tree: DraftTree, keep: int, sizer: TreeSizer | None, started: float
+                 ) -> tuple[DraftTree, np.ndarray]:
+    """The tree to verify and its nodes' ids in `tree` ([n]): the best `keep` by score, or the sizer's choice
+    (which then learns how long drafting took since `started`)."""
+    if sizer is None:
+        return tree.prune(keep)
+    pruned, kept, _ = sizer.choose(tree)
+    sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
+    return pruned, kept
+
+
+def record_round(stats: RequestStats, tree: DraftTree, verified: int, verdict: Verdict, accepted: int,
+                 middle_calls: int, probe_budgets: tuple[int, ...]) -> None:
+    """A round's counts; for each probe budget, what the tree pruned to it would have accepted (the target's
+    greedy continuation is known as far as this round accepted it)."""
+    stats.accepted.append(accepted)
+    stats.tree_sizes.append(verified)
+    stats.middle_calls.append(middle_calls)
+    for b in probe_budgets:
+        hit = len(tree.prune(b)[0].follow(verdict.tokens[:-1]))
+        stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
 
 
 def finish(out: list[int], stats: RequestStats, timer: PhaseTimer, max_new: int, eos: set[int]) -> Generation:
