@@ -118,7 +118,7 @@ class CollectWorker:
                                    tuple(cfg["budgets"]))
         self.rounds_dir = Path(cfg["out"]) / ROUNDS_DIR
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # column -> [rows], in and out
         done = {"benchmark": [], "prompt_id": [], "rounds": [], "seconds": [], "skipped": []}
         for bench, qid, ids in zip(batch["benchmark"], batch["prompt_id"], batch["ids"]):
             bench, qid, ids = str(bench), str(qid), [int(t) for t in ids]

@@ -17,7 +17,8 @@ class Drafter(Protocol):
         """Begin a request: forget the previous one."""
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
-        """Propose nodes for 1-based drafting `layer`, expanding `frontier`; never mutates `tree`."""
+        """Propose nodes for 1-based drafting `layer`, expanding `frontier` ([<= K] node ids); never mutates
+        `tree`."""
 
     def accept(self, path: list[int], tokens: list[int]) -> None:
         """End of a round: `path` = accepted node ids of the round's tree (root first; empty after the

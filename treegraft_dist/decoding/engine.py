@@ -38,7 +38,7 @@ class Generation:
 
 
 def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
-    """Whether n-gram steps from `frontier` can no longer change `tree.prune(keep)`.
+    """Whether n-gram steps from `frontier` ([<= K] node ids) can no longer change `tree.prune(keep)`.
 
     An n-gram step adds or rescores only nodes at or below the frontier (children of frontier nodes, chains
     below them, then their children), each at its parent's score plus a log-prob <= 0, so no score it
@@ -114,7 +114,7 @@ def draft_tree(
 
 def draft_layers(
     state: Drafting, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
-    context: np.ndarray | None, budgets: tuple[int, ...] = (), has_middle: bool | None = None,
+    context: np.ndarray | None, budgets: tuple[int, ...] = (), has_middle: bool | None = None,  # context: [4]
 ) -> str | None:
     """Draft the layers of `state` from its next one on (draft_tree); returns None once the round's
     drafting is done. A drafter given as None is one the caller drafts with elsewhere: drafting stops before

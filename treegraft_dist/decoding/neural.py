@@ -36,12 +36,12 @@ class DrafterState:
 
     cache_len: int
     committed: int
-    slot: np.ndarray
-    row_of: np.ndarray
+    slot: np.ndarray  # [tree size] int64
+    row_of: np.ndarray  # [tree size] int64
     hidden_calls: int
-    lse: torch.Tensor
-    topk_tokens: np.ndarray
-    topk_logprobs: np.ndarray
+    lse: torch.Tensor  # [processed] fp32
+    topk_tokens: np.ndarray  # [processed, K] int64
+    topk_logprobs: np.ndarray  # [processed, K] float64
 
 
 class NeuralDrafter:
@@ -56,7 +56,7 @@ class NeuralDrafter:
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.context: list[int] = list(prompt)
         # The prompt's own tokens outside the draft vocabulary are proposed too (names, identifiers to copy).
-        self.extra_vocab = self.lm.outside_draft_vocab(prompt)
+        self.extra_vocab = self.lm.outside_draft_vocab(prompt)  # [E] ascending ids, or None
         self.cache = self.lm.new_cache()
         self.committed = 0  # context tokens held in the cache
         self.forward_sizes: list[int] = []  # tokens of every forward so far (context catch-up + tree nodes)
@@ -67,8 +67,8 @@ class NeuralDrafter:
         self.hidden_rows: list[torch.Tensor] = []  # per call, [processed, hidden]
         self.row_of = np.zeros(0, np.int64)  # [tree size] row in cat(hidden_rows)
         self.lse = torch.zeros(0)  # [processed] logsumexp of each processed node's logits
-        self.topk_tokens = np.zeros((0, self.top_k), np.int64)
-        self.topk_logprobs = np.zeros((0, self.top_k), np.float64)
+        self.topk_tokens = np.zeros((0, self.top_k), np.int64)  # [processed, K]: each processed node's top-K
+        self.topk_logprobs = np.zeros((0, self.top_k), np.float64)  # [processed, K]
         self._hidden = None
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:

@@ -33,7 +33,7 @@ class SchedulePolicy(Protocol):
     name: str
     needs_signals: bool
 
-    def decide(self, signals: np.ndarray | None, layer: int) -> bool: ...
+    def decide(self, signals: np.ndarray | None, layer: int) -> bool: ...  # signals: [17] float32 (compute_signals)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class FixedSchedule:
 
 @dataclass(frozen=True)
 class CallablePolicy:
-    fn: Callable[[np.ndarray, int], bool]
+    fn: Callable[[np.ndarray, int], bool]  # (signals [17], layer) -> call the middle drafter
     name: str = "callable"
     needs_signals: bool = True
 

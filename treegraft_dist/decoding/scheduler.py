@@ -53,7 +53,8 @@ def subset_mask(subset) -> np.ndarray:  # [17] float32, 1 for a signal in the su
 
 
 class SchedulerMLP(torch.nn.Module):
-    """z-score (masked to the fitted subset) -> 17 -> 64 -> 32 -> 1 with ReLU; output = margin."""
+    """z-score (masked to the fitted subset) -> 17 -> 64 -> 32 -> 1 with ReLU; output = margin.
+    `mean`, `std`: [17]."""
 
     def __init__(self, subset=SIGNAL_NAMES, mean: np.ndarray | None = None, std: np.ndarray | None = None):
         super().__init__()
@@ -136,7 +137,7 @@ class LearnedScheduler:
         self._w1 = np.ascontiguousarray(scale[:, None] * a["w1"].T, np.float32)  # [17, 64]
         self._b1 = (a["b1"] - (a["mean"] * scale) @ a["w1"].T).astype(np.float32)  # [64]
         self._w2 = np.ascontiguousarray(a["w2"].T)  # [64, 32]
-        self._b2 = a["b2"]
+        self._b2 = a["b2"]  # [32]
         self._w3 = np.ascontiguousarray(a["w3"][0])  # [32]
         self._b3 = float(a["b3"][0])
         self._h1 = np.empty(HIDDEN[0], np.float32)
@@ -159,7 +160,7 @@ class LearnedScheduler:
         np.maximum(h2, 0.0, out=h2)
         return float(np.dot(h2, self._w3)) + self._b3
 
-    def decide(self, signals: np.ndarray, layer: int) -> bool:
+    def decide(self, signals: np.ndarray, layer: int) -> bool:  # signals: [17]
         if signals.dtype != np.float32:
             signals = signals.astype(np.float32)
         return self.margin(signals) > 0.0

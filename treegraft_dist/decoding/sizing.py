@@ -58,10 +58,10 @@ class TreeSizer:
         sizes = sorted(s for s in verify_ms if 1 <= s <= max_size)
         if not sizes:
             raise ValueError(f"no measured tree size is <= {max_size}: measured {sorted(verify_ms)}")
-        self.sizes = np.array(sizes)
-        self.cost = np.array([verify_ms[s] for s in sizes], np.float64)
+        self.sizes = np.array(sizes)  # [S] int64: the measured sizes <= max_size, ascending
+        self.cost = np.array([verify_ms[s] for s in sizes], np.float64)  # [S] verification ms of each
         self.drafting_ms = drafting_ms
-        shape = (ORIGINS, RANKS, len(DEPTH_BINS) + 1, len(EDGE_BINS) + 1)
+        shape = (ORIGINS, RANKS, len(DEPTH_BINS) + 1, len(EDGE_BINS) + 1)  # [2, 4, 5, 4] cells
         prior = np.broadcast_to(PRIOR_MEAN_BY_RANK[None, :, None, None], shape)
         self.hits = prior * PRIOR_WEIGHT  # Beta posterior across requests: hits / trials is the mean
         self.trials = np.full(shape, PRIOR_WEIGHT)
@@ -73,7 +73,8 @@ class TreeSizer:
         self.request_trials = np.zeros_like(self.trials)
 
     def q_table(self) -> np.ndarray:
-        """P(accepted | parent accepted) per cell for the current request."""
+        """P(accepted | parent accepted) per cell for the current request: [2, 4, 5, 4] (origin, rank, depth
+        bin, edge bin), as `cells` indexes it."""
         across = self.hits / self.trials
         q = (self.request_hits + REQUEST_PRIOR_WEIGHT * across) / (self.request_trials + REQUEST_PRIOR_WEIGHT)
         return np.minimum(q, Q_MAX)
@@ -111,7 +112,7 @@ class TreeSizer:
 
     # -- per round ------------------------------------------------------------------------------------
     def choose(self, tree: DraftTree) -> tuple[DraftTree, np.ndarray, SizeChoice]:
-        """The tree to verify: (pruned tree, original id of each of its nodes, the choice)."""
+        """The tree to verify: (pruned tree, original id of each of its nodes ([size] ascending), the choice)."""
         p = self.acceptance(tree)
         # Best first by P; ties (equal P) by depth then id, so a parent always precedes its children.
         order = np.lexsort((np.arange(1, tree.size), tree.depths[1 : tree.size], -p[1:])) + 1
@@ -125,7 +126,8 @@ class TreeSizer:
 
     def observe(self, tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> None:
         """Learn from one verdict: every verified node whose parent was accepted (the root always is) is a
-        trial, a hit when it was accepted itself. `accepted`: ids of the verified tree (root excluded)."""
+        trial, a hit when it was accepted itself. `kept`: [verified size], as `choose` gives it; `accepted`:
+        ids of the verified tree (root excluded)."""
         on_path = np.zeros(tree.size, bool)
         on_path[0] = True
         on_path[kept[accepted]] = True
@@ -161,8 +163,8 @@ class LoadBudget:
         if not costs:
             raise ValueError("LoadBudget needs measured pass costs")
         self.budget, self.alpha, self.smoothing = budget, alpha, smoothing
-        self.sizes = np.array(sorted(costs), dtype=np.float64)
-        self.ms = np.array([costs[k] for k in sorted(costs)], dtype=np.float64)
+        self.sizes = np.array(sorted(costs), dtype=np.float64)  # [S] profiled pass rows, ascending
+        self.ms = np.array([costs[k] for k in sorted(costs)], dtype=np.float64)  # [S] ms of each
         b, self.candidates = 1, []
         while b < budget:
             self.candidates.append(b)

@@ -5,7 +5,7 @@ Vocabulary used throughout the package:
             has not seen it yet.
   node      a proposed token with a parent; ids are assigned in insertion order, so every parent id is
             smaller than its children's ids (id order is a topological order).
-  frontier  the nodes the next drafting step expands.
+  frontier  the nodes the next drafting step expands: [<= K] int64 node ids (K = TreeConfig.top_k).
   score     cumulative log-probability along the root-to-node path, as last assigned by a drafter.
 
 Nothing is ever deleted from a tree while it is being built: grafting a child that already exists under
@@ -59,6 +59,7 @@ class DraftTree:
 
     def __init__(self, root_token: int, capacity: int = _INITIAL_CAPACITY):
         self.size = 0
+        # Parallel [capacity] arrays, doubled when full; entries [:size] are the nodes.
         self.tokens = np.zeros(capacity, np.int64)
         self.parents = np.zeros(capacity, np.int64)
         self.depths = np.zeros(capacity, np.int64)
@@ -106,7 +107,7 @@ class DraftTree:
         return self._child.get((parent, token))
 
     def graft(self, proposal: Proposal, layer: int) -> np.ndarray:
-        """Apply a proposal non-destructively; returns the node id of every proposal entry.
+        """Apply a proposal non-destructively; returns the node id of every proposal entry ([len(proposal)]).
 
         A proposed child whose token already exists under its parent keeps its node (and subtree) and
         takes the proposed score; otherwise a new node is appended.
@@ -131,7 +132,7 @@ class DraftTree:
         return ids
 
     # -- views ----------------------------------------------------------------------------------------
-    def token_list(self) -> np.ndarray:
+    def token_list(self) -> np.ndarray:  # [size] int64, a view
         return self.tokens[: self.size]
 
     def path(self, node: int) -> list[int]:
@@ -167,7 +168,7 @@ class DraftTree:
             par = par[self.origins[1 : self.size] == origin]
         return np.bincount(par, minlength=self.size)
 
-    def is_leaf(self) -> np.ndarray:
+    def is_leaf(self) -> np.ndarray:  # [size] bool
         return self.children_count() == 0
 
     def ancestor_mask(self, nodes: np.ndarray | None = None) -> np.ndarray:
@@ -214,14 +215,15 @@ class DraftTree:
 
     # -- selection ------------------------------------------------------------------------------------
     def ranked(self, ids: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
-        """`ids` ordered best first: higher score, then earlier insertion (stable)."""
+        """`ids` ([m]) ordered best first: higher score, then earlier insertion (stable). `scores` ([size]),
+        when given, stand in for the tree's own."""
         s = self.scores if scores is None else scores
         ids = np.asarray(ids, np.int64)
         return ids[np.lexsort((ids, -s[ids]))]
 
     def expanded_pool(self, frontier: np.ndarray, lookback: int, origin: int) -> np.ndarray:
-        """Candidates a neural step may expand: nodes at most `lookback` layers shallower than the
-        deepest frontier node (deeper nodes too) that the drafter of `origin` has not expanded yet."""
+        """Candidates a neural step may expand ([m] ascending ids): nodes at most `lookback` layers shallower
+        than the deepest frontier node (deeper nodes too) that the drafter of `origin` has not expanded yet."""
         depth = self.depths[: self.size]
         fd = int(depth[frontier].max()) if len(frontier) else int(depth.max())
         not_done = (self.expanded[: self.size] & (1 << origin)) == 0
@@ -229,14 +231,14 @@ class DraftTree:
 
     def reselect(self, frontier: np.ndarray, lookback: int, k: int, origin: int,
                  scores: np.ndarray | None = None) -> np.ndarray:
-        """The top-k of the expanded pool by score: the frontier a neural step would expand."""
+        """The top-k of the expanded pool by score ([<= k] ids): the frontier a neural step would expand."""
         return self.ranked(self.expanded_pool(frontier, lookback, origin), scores)[:k]
 
     def prune(self, budget: int) -> tuple["DraftTree", np.ndarray]:
         """Keep at most `budget` nodes (root included) by score, always with all their ancestors.
 
         Returns the pruned tree (ids renumbered, order preserved) and `kept`, the original id of each
-        of its nodes.
+        of its nodes ([pruned size] int64, ascending).
         """
         if budget < 1:
             raise ValueError(f"tree budget must be at least 1 (the root), got {budget}")
@@ -273,7 +275,7 @@ class DraftTree:
         return keep
 
     def subtree(self, kept: np.ndarray) -> "DraftTree":
-        """A new tree of the nodes `kept` (ascending ids, closed under ancestors, root first)."""
+        """A new tree of the nodes `kept` ([m] ascending ids, closed under ancestors, root first)."""
         m = len(kept)
         remap = np.full(self.size, NO_PARENT, np.int64)
         remap[kept] = np.arange(m)
@@ -293,6 +295,7 @@ class DraftTree:
 
 
 def next_frontier(tree: DraftTree, proposal: Proposal, ids: np.ndarray, k: int) -> np.ndarray:
-    """The top-k of the grafted nodes that end a proposed chain (no proposed entry hangs below them)."""
+    """The top-k ([<= k] ids) of the grafted nodes `ids` (graft's [len(proposal)] result) that end a proposed
+    chain (no proposed entry hangs below them)."""
     hung = ids[proposal.parents[proposal.parents >= proposal.base] - proposal.base]
     return tree.ranked(np.setdiff1d(ids, hung))[:k]

@@ -101,7 +101,8 @@ class TargetVerifier:
     def prefill_done(self, h: torch.Tensor, prompt: list[int], start: int, want_prefill_cache: bool,
                      last_logits: torch.Tensor | None = None,  # [1, vocab] of h's last row, when computed already
                      ) -> tuple[int, PrefillCache | None] | None:
-        """After a chunk's pass: None until the last chunk, then (first token, prefill cache or None)."""
+        """After a chunk's pass (`h`: its [end - start, hidden] rows): None until the last chunk, then (first
+        token, prefill cache or None)."""
         end = start + len(h)
         if want_prefill_cache:  # a drafting aid: over the target's draft vocabulary, not the whole one
             _, tokens, logprobs = self.lm.top_logprobs(h, PREFILL_TOPK, _PREFILL_CHUNK,

@@ -108,7 +108,7 @@ class CompactWeight:
             w = w - self.offset.repeat_interleave(self.group, dim=1)
         return w
 
-    def rows(self, index: torch.Tensor) -> CompactWeight:
+    def rows(self, index: torch.Tensor) -> CompactWeight:  # index: [N'] int64 row ids
         """The form of weight[index] (a drafting head over some ids)."""
         pick = lambda t: t[index].contiguous() if t.numel() else t  # noqa: E731
         return CompactWeight(self.kind, len(index), self.k, pick(self.w16), pick(self.q), pick(self.scale),
@@ -133,7 +133,7 @@ class Groups:
                              offset=self.offset, group=self.group)
 
 
-def fingerprint(first_row: torch.Tensor) -> str:
+def fingerprint(first_row: torch.Tensor) -> str:  # first_row: [K]
     """A key for a weight: the bytes of its first row's first 64 values (fp32)."""
     return hashlib.sha1(first_row[:64].float().contiguous().numpy().tobytes()).hexdigest()
 
@@ -224,6 +224,7 @@ class CompactLinear(nn.Module):
         super().__init__()
         self.form = form
         self.in_features, self.out_features = form.k, form.n
+        # bias [N]; weight (the dense copy, where kept) [N, K] fp32
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.weight = None if dense is None else nn.Parameter(dense, requires_grad=False)
 
@@ -255,7 +256,8 @@ def compress(model: nn.Module, groups: dict[str, Groups] | None = None, keep_den
 
 
 def compact_head(head: nn.Module, index: torch.Tensor) -> CompactLinear | None:
-    """A drafting head over rows `index` of a compact output head (None where `head` is not compact)."""
+    """A drafting head over rows `index` ([V'] int64 ids) of a compact output head (None where `head` is
+    not compact)."""
     if not isinstance(head, CompactLinear):
         return None
     bias = None if head.bias is None else head.bias[index]

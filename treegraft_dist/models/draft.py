@@ -58,8 +58,8 @@ def special_ids(tokenizer, eos_ids) -> set[int]:
 
 
 def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
-    """Give `lm` a drafting head over `ids` (compact or packed, as the head or the other linears are); None:
-    the full head."""
+    """Give `lm` a drafting head over `ids` ([V'] ascending int64, from draft_vocabulary; compact or packed, as
+    the head or the other linears are); None: the full head."""
     if ids is None:
         lm.draft_vocab, lm._draft_head = None, None
         return

@@ -60,8 +60,9 @@ class BlockPass:
 
 def block_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention function of a `BlockPass` (registered as BLOCK_ATTENTION): the model's own attention
-    implementation, once per block, over that block's cache. query: [1, heads, rows, head dim]. The model
-    hands its keyword arguments down to here, the pass among them (BLOCKS_KWARG)."""
+    implementation, once per block, over that block's cache. query: [1, heads, rows, head dim] -> output
+    [1, rows, heads, head dim]. The model hands its keyword arguments down to here, the pass among them
+    (BLOCKS_KWARG)."""
     blocks = kwargs.pop(BLOCKS_KWARG, None)
     if not isinstance(blocks, BlockPass):
         raise TypeError(f"{type(module).__module__} does not pass its keyword arguments to attention: "
@@ -296,7 +297,7 @@ def cache_len(cache: DynamicCache) -> int:
 
 @torch.inference_mode()
 def compact_cache(cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
-    """Keep cache positions [0, start) followed by `slots` (ascending, all >= start); drop the rest."""
+    """Keep cache positions [0, start) followed by `slots` ([m] int64, ascending, all >= start); drop the rest."""
     n = len(slots)
     contiguous = n == 0 or int(slots[0]) == start and int(slots[-1]) == start + n - 1
     index = None

@@ -110,7 +110,7 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose product runs through oneDNN on a weight packed once (`pack`); a product of
     fewer than `pad_to` rows runs with zero rows appended up to it (`row_padding`)."""
 
-    packed_weight: torch.Tensor
+    packed_weight: torch.Tensor  # [out, in] in oneDNN's blocked (mkldnn) layout, from `_reorder`
     pad_to: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -245,7 +245,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.inner, self.dtype = inner, dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], both in self.dtype
         return self.inner(x.float()).to(self.dtype)
 
 

@@ -208,8 +208,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
 
 def _group_params(kind: str, blocks: np.ndarray) -> tuple[int, np.ndarray, np.ndarray | None] | None:
-    """(group size, scale A [blocks, groups], offset B or None) of GGUF blocks of a format that dequantizes
-    each weight as fl(fl(A * q) - B) with an integer q (GGUF's block layouts); None for other formats."""
+    """(group size, scale A [blocks, groups], offset B or None) of GGUF `blocks` ([blocks, block bytes] uint8)
+    of a format that dequantizes each weight as fl(fl(A * q) - B) with an integer q (GGUF's block layouts);
+    None for other formats."""
     f16 = lambda b: b.copy().view(np.float16).astype(np.float32)  # noqa: E731
     if kind in ("Q8_0", "Q4_0", "Q5_0"):  # d (f16), then the quants: w = d * q with q signed
         return 32, f16(blocks[:, :2]), None

@@ -65,12 +65,13 @@ def schedules_from_margins(margins: np.ndarray, max_calls: int | None) -> np.nda
 
 
 def speed(rounds: Rounds, schedules: np.ndarray) -> float:
-    """Tokens per second of decoding every round with its given schedule: total accepted / total time."""
+    """Tokens per second of decoding every round with its given schedule (`schedules`: [R] indices): total
+    accepted / total time."""
     idx = np.arange(len(rounds))
     return float(rounds.accepted[idx, schedules].sum() / (rounds.latency_ms[idx, schedules].sum() / 1e3))
 
 
-def oracle_schedules(rounds: Rounds, max_calls: int | None) -> np.ndarray:
+def oracle_schedules(rounds: Rounds, max_calls: int | None) -> np.ndarray:  # [R]: each round's best feasible schedule
     tps = rounds.tokens_per_s() * feasible(max_calls)
     return np.argmax(tps, axis=1)
 

@@ -223,7 +223,7 @@ class ValueHeads:
     std: np.ndarray  # [17]
     nets: dict[str, torch.nn.Sequential]  # HEADS -> [n, 17 + 2D] -> [n, 1], standardised output
     target_norm: dict[str, tuple[float, float]]  # HEADS -> (mean, std) of its training target
-    mask: np.ndarray = field(init=False)
+    mask: np.ndarray = field(init=False)  # [17] float32, 1 for a signal in the subset
 
     def __post_init__(self):
         self.mask = subset_mask(self.subset)
@@ -241,7 +241,7 @@ class ValueHeads:
     def _standardise(self, signals: np.ndarray) -> np.ndarray:  # [..., 17] -> [..., 17] float32
         return (np.asarray(signals, np.float32) - self.mean) / self.std * self.mask
 
-    def _inputs(self, signals: np.ndarray, suffix: np.ndarray) -> torch.Tensor:
+    def _inputs(self, signals: np.ndarray, suffix: np.ndarray) -> torch.Tensor:  # [n, 17], [n, 2D] -> [n, 17 + 2D]
         return torch.from_numpy(np.concatenate([self._standardise(signals), suffix], axis=-1).astype(np.float32))
 
     @torch.no_grad()
