@@ -103,7 +103,7 @@ def _measure(cfg: dict, context: list[int]) -> dict:
 
     cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(cache), context,
                         TreeConfig(**cfg["tree"]))
-    # A scheduler fitted on these costs as recorded applies on this profile only (device_scheduler.py).
+    # A scheduler fitted on these costs as recorded applies on this profile only (treegraft_dist/scheduling/device.py).
     return {**cost.to_dict(), PROFILE_KEY: profile_key(target.lm, target.source, middle.lm, middle.source)}
 
 

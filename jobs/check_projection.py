@@ -4,7 +4,7 @@ next to a measured `treegraft eval` on the same prompts, and the error per metho
     python jobs/check_projection.py --prompts-per-benchmark 2 --out out/check-projection   # embedded pair, CPU
 
 On a quiet machine (it times every method). Steps:
-  1. this machine's cost profile of the pair, as on first use (device_scheduler.device_costs: measured once,
+  1. this machine's cost profile of the pair, as on first use (costs.device_costs: measured once,
      cached), and the scheduler fitted for it on all the trajectories (OUT/scheduler.npz);
   2. the projection (projection.project) of the trajectories' rounds of the first N prompts per benchmark;
   3. `treegraft eval` on exactly those prompts (the collected questions, chat-formatted as collect does them,

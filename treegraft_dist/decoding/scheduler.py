@@ -1,7 +1,7 @@
 """The learned scheduler: a 3,265-parameter MLP reads the 17 signals before a drafting layer and says
 whether calling the middle drafter pays (margin > 0) or an n-gram step does.
 
-It is fitted offline (value.py, fit.py; for the device it runs on, device_scheduler.py) and kept as one
+It is fitted offline (scheduling/value.py, fit.py; for the device it runs on, scheduling/device.py) and kept as one
 artifact file: weights, the z-score normalisation, the signal subset it was fitted on, the device cost
 profile and model pair it belongs to, the data split and the versions that wrote it; optionally also the
 value heads it was distilled from (written and read by scheduling.artifact.save_artifact / load_artifact). At run

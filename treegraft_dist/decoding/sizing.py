@@ -53,7 +53,7 @@ class TreeSizer:
     """The calibration table (learned across the requests it sees) and the per-round choice."""
 
     def __init__(self, verify_ms: dict[int, float], max_size: int, drafting_ms: float = 1.0):
-        """`verify_ms`: target verification ms by tree size as measured on this device (budget.latency_profile);
+        """`verify_ms`: target verification ms by tree size as measured on this device (costs.latency_profile);
         sizes above `max_size` are never chosen."""
         sizes = sorted(s for s in verify_ms if 1 <= s <= max_size)
         if not sizes:

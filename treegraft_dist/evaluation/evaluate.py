@@ -147,7 +147,7 @@ class Evaluation:
     def _load_scheduler(self):
         """(LearnedScheduler, ValueHeads or None) for the artifact methods: --scheduler's artifact (refused if
         fitted for another device profile), else the one fitted for this device from the trajectories shipped
-        for the pair (device_scheduler.py); (None, None) when none is needed or, for treegraft alone, neither
+        for the pair (scheduling/device.py); (None, None) when none is needed or, for treegraft alone, neither
         exists (then the documented heuristic runs)."""
         wanted = list(dict.fromkeys(artifact_base(m) for m in self.cfg.methods if artifact_base(m)))
         if not wanted:
@@ -187,7 +187,7 @@ class Evaluation:
 
     # -- methods --------------------------------------------------------------------------------------
     def verify_ms(self) -> dict[int, float]:
-        """This device's verification ms by tree size (measured once, cached: budget.latency_profile)."""
+        """This device's verification ms by tree size (measured once, cached: costs.latency_profile)."""
         if self._verify_ms is None:
             self._verify_ms = latency_profile(self.target.lm, self.target.source, cache_root(self.cfg.cache_dir))
             self.log("verification latency by tree size (ms): "

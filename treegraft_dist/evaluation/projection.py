@@ -60,7 +60,7 @@ class Profile:
     name: str
     cost: CostModel
     note: str = ""
-    key: str | None = None  # the device profile key a real run of the pair there would have (device_scheduler)
+    key: str | None = None  # the device profile key a real run of the pair there would have (scheduling/device.py)
 
 
 def read_profiles(path: str | Path) -> list[Profile]:

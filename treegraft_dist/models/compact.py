@@ -43,7 +43,7 @@ _NEEDS_FLAGS = ("avx2", "fma", "f16c")
 _BF16, _FP16, _GROUPS = 0, 1, 2
 _EMPTY = torch.empty(0)
 _PROBE_SHAPE = (3072, 1536)
-# Costs measured with one revision of the kernel do not hold for another: cost profiles name it (budget.model_key).
+# Costs measured with one revision of the kernel do not hold for another: cost profiles name it (costs.model_key).
 KERNEL_VERSION = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
 
 
