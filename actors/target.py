@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.decoding.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work, take_pass
-from treegraft_dist.decoding.costs import PROFILE_PAST, forward_ms
+from treegraft_dist.decoding.costs import PROFILE_PAST, forward_ms, prefilled
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.tree import DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -109,8 +109,7 @@ class TargetWorker:
 
     def pass_costs(self, sizes: list[int]) -> dict[int, float]:
         """Milliseconds of a verification pass of each size, over one warm cache of PROFILE_PAST tokens."""
-        cache = self.lm.new_cache()
-        self.lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
+        cache = prefilled(self.lm)
         return {n: forward_ms(self.lm, n, cache=cache) for n in sizes}
 
     def kv_capacity(self) -> tuple[int, int]:

@@ -141,3 +141,19 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again(models, tmp_path
     again = latency_profile(target, "tiny-t", tmp_path)
     assert again[1] < 100.0 and "busy machine" in capsys.readouterr().err
     assert json.loads(path.read_text())["verify_ms"]["1"] == again[1]
+
+
+def test_a_profile_slowed_only_at_a_round_size_is_measured_again(models, tmp_path, capsys):
+    """A burst can hit any part of a sweep: one inflated size that rounds use is caught too."""
+    from treegraft_dist.decoding.costs import check_sizes, latency_profile
+
+    target, _ = models
+    first = latency_profile(target, "tiny-t", tmp_path)
+    (path,) = (tmp_path / "profiles").iterdir()
+    size = check_sizes(first)[-1]
+    assert size > min(first)
+    busy = {str(k): 1e3 * (v + 1.0) if k == size else v for k, v in first.items()}
+    path.write_text(json.dumps({"verify_ms": busy}))
+    again = latency_profile(target, "tiny-t", tmp_path)
+    assert again[size] < 100.0 and "busy machine" in capsys.readouterr().err
+    assert json.loads(path.read_text())["verify_ms"][str(size)] == again[size]

@@ -3,6 +3,8 @@
   forward_ms        one forward of a model over a block of nodes, on a cache of typical length;
   latency_profile   target verification ms by tree size (CANDIDATES), measured once per (model, device),
                     cached as JSON and measured again when it was taken on a busy machine;
+  swept_profile     the best of PROFILE_SWEEPS sweeps over the sizes, so that one burst of another process's
+                    work does not stay in a profile (checked again at check_sizes when the cache is read);
   middle_profile    middle-drafter forward ms by tokens (MIDDLE_BLOCKS), likewise;
   cpu_step_costs    one n-gram step and one scheduler call, on trees grown from a real prompt;
   CostModel         all four for one pair on one device: what trajectories are priced with, what a scheduler
@@ -25,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -46,12 +49,13 @@ from .verify import tree_attention
 CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
 MAX_COST_RATIO = 4.0
-# A cached one-node cost this many times a fresh pass's was measured on a busy machine (another process's
+# A cached cost this many times a fresh pass's (at check_sizes) was measured on a busy machine (another process's
 # threads only ever slow a pass down): the profile is measured again. A fresh pass much slower than the
 # cache means the machine is busy now, and the cache is kept.
 STALE_RATIO = 1.5
 MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
 DRAFT_TOPK = 10  # children a drafting pass ranks (the published K)
+PROFILE_SWEEPS = 2  # sweeps over the sizes a profile takes the best of
 
 
 def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int = 3, cache=None,
@@ -67,9 +71,7 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
         tree.graft(Proposal(1, chain, np.arange(1, n + 1) % lm.vocab_size, np.zeros(n), ORIGIN_NGRAM), 1)
     attend, positions = tree_attention(tree, past)
     ids = torch.from_numpy(tree.token_list().copy())
-    if cache is None:
-        cache = lm.new_cache()
-        lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
+    cache = prefilled(lm, past) if cache is None else cache
     times = []
     for _ in range(repeats + 1):
         synchronize(lm.device)  # the cache's last compaction (or fill) is not this pass's work
@@ -84,15 +86,32 @@ def forward_ms(lm: CausalLM, block: int, past: int = PROFILE_PAST, repeats: int 
     return min(times[1:])
 
 
-def measured_when_busy(lm: CausalLM, cached_ms: float, path: Path, block: int = 1, drafting: bool = False) -> bool:
-    """Whether the cached cost `cached_ms` of a `block`-node pass is STALE_RATIO times what one measured now
-    costs (it was measured while something else used the device); says so when it is."""
-    fresh = forward_ms(lm, block, repeats=2, drafting=drafting)
-    if cached_ms <= STALE_RATIO * fresh:
-        return False
-    print(f"treegraft: {path.name}: a {block}-token pass measured {cached_ms:.0f} ms there and {fresh:.0f} ms now: "
-          "it was measured on a busy machine, measuring again", file=sys.stderr)
-    return True
+def prefilled(lm: CausalLM, past: int = PROFILE_PAST):
+    """A cache holding `past` tokens, for forward_ms to time blocks on (it restores the cache after each)."""
+    cache = lm.new_cache()
+    lm.hidden(cache, torch.zeros(past, dtype=torch.int64), torch.arange(past))
+    return cache
+
+
+def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, drafting: bool = False) -> bool:
+    """Whether the cached profile `cached` (ms by size) was measured while something else used the device:
+    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does. Says so when it was."""
+    cache = prefilled(lm)
+    for block in check_sizes(cached):
+        fresh = forward_ms(lm, block, repeats=2, cache=cache, drafting=drafting)
+        if cached[block] > STALE_RATIO * fresh:
+            print(f"treegraft: {path.name}: a {block}-token pass measured {cached[block]:.0f} ms there and "
+                  f"{fresh:.0f} ms now: it was measured on a busy machine, measuring again", file=sys.stderr)
+            return True
+    return False
+
+
+def check_sizes(profile: dict[int, float]) -> tuple[int, ...]:
+    """The sizes a cached profile is checked at: the smallest and one that rounds use (8, else the largest).
+    A burst of another process's work can hit any part of a sweep, not only its start."""
+    sizes = sorted(profile)
+    mid = 8 if 8 in profile else sizes[-1]
+    return tuple(dict.fromkeys((sizes[0], mid)))
 
 
 def device_name(device: torch.device) -> str:
@@ -123,26 +142,41 @@ def latency_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, flo
     path = cache_dir / "profiles" / f"{model_key(lm, source)}--{device_name(lm.device)}.json"
     if path.is_file():
         cached = {int(k): v for k, v in json.loads(path.read_text())["verify_ms"].items()}
-        if not measured_when_busy(lm, cached[min(cached)], path):
+        if not measured_when_busy(lm, cached, path):
             return cached
-    cache = lm.new_cache()
-    lm.hidden(cache, torch.zeros(PROFILE_PAST, dtype=torch.int64), torch.arange(PROFILE_PAST))
-    measured: dict[int, float] = {}
-    for b in tqdm(CANDIDATES, desc="profiling verification latency", unit="size", file=sys.stderr):
-        ms = forward_ms(lm, b, repeats=2, cache=cache)
-        if measured and ms > MAX_COST_RATIO * measured[CANDIDATES[0]]:
-            break
-        measured[b] = ms
-    # A bigger block never costs less: a pass of fewer rows than the padded count runs as that count
-    # (kernels.row_padding), and any other dip is timing noise, so take the lower envelope from above.
-    profile, floor = {}, float("inf")
-    for b in sorted(measured, reverse=True):
-        floor = min(floor, measured[b])
-        profile[b] = floor
-    profile = dict(sorted(profile.items()))
+    cache = prefilled(lm)
+    profile = swept_profile(lambda b: forward_ms(lm, b, repeats=2, cache=cache), CANDIDATES,
+                            "profiling verification latency", stop_ratio=MAX_COST_RATIO)
     write_json(path, {"model": source, "device": device_name(lm.device), "past": PROFILE_PAST,
                       "verify_ms": {str(k): v for k, v in profile.items()}})
     return profile
+
+
+def swept_profile(measure: Callable[[int], float], sizes: tuple[int, ...], desc: str,
+                  stop_ratio: float | None = None) -> dict[int, float]:
+    """ms by size: the best of PROFILE_SWEEPS sweeps over `sizes`, smallest first, so that a burst of another
+    process's work during one sweep does not stay in the profile (it only ever slows a pass down). With
+    `stop_ratio`, a sweep stops at the first size costing more than that many smallest-size passes, and the
+    profile ends before it. A bigger block never costs less: a pass of fewer rows than the padded count runs
+    as that count (kernels.row_padding), and any other dip is timing noise, so the lower envelope from above
+    is taken."""
+    best: dict[int, float] = {}
+    with tqdm(total=PROFILE_SWEEPS * len(sizes), desc=desc, unit="pass", file=sys.stderr) as bar:
+        for _ in range(PROFILE_SWEEPS):
+            for b in sizes:
+                best[b] = min(best.get(b, float("inf")), measure(b))
+                bar.update()
+                if stop_ratio is not None and best[b] > stop_ratio * best[sizes[0]]:
+                    break
+    kept = [b for b in sizes if b in best]
+    if stop_ratio is not None:
+        over = [b for b in kept if best[b] > stop_ratio * best[sizes[0]]]
+        kept = [b for b in kept if not over or b < over[0]]
+    profile, floor = {}, float("inf")
+    for b in reversed(kept):
+        floor = min(floor, best[b])
+        profile[b] = floor
+    return dict(sorted(profile.items()))
 
 
 def choose_budget(verify_ms: dict[int, float], accepted_at: dict[int, list[int]], draft_ms: float) -> int:
@@ -234,16 +268,11 @@ def middle_profile(lm: CausalLM, source: str, cache_dir: Path) -> dict[int, floa
         saved = json.loads(path.read_text())
         cached = {int(k): v for k, v in saved["forward_ms"].items()}
         # Profiles from before drafting passes were timed as such ended with the full head: measure again.
-        if saved.get("pass") == "drafting" and not measured_when_busy(lm, cached[min(cached)], path, min(cached),
-                                                                       drafting=True):
+        if saved.get("pass") == "drafting" and not measured_when_busy(lm, cached, path, drafting=True):
             return cached
-    measured = {b: forward_ms(lm, b, repeats=2, drafting=True)
-                for b in tqdm(MIDDLE_BLOCKS, desc="profiling middle-drafter latency", unit="size", file=sys.stderr)}
-    profile, floor = {}, float("inf")
-    for b in sorted(measured, reverse=True):  # never cheaper for more tokens: a dip is noise
-        floor = min(floor, measured[b])
-        profile[b] = floor
-    profile = dict(sorted(profile.items()))
+    cache = prefilled(lm)
+    profile = swept_profile(lambda b: forward_ms(lm, b, repeats=2, cache=cache, drafting=True), MIDDLE_BLOCKS,
+                            "profiling middle-drafter latency")
     write_json(path, {"model": source, "device": device_name(lm.device), "pass": "drafting",
                       "forward_ms": {str(k): v for k, v in profile.items()}})
     return profile
