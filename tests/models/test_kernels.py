@@ -1,6 +1,7 @@
 """Packed CPU linear layers (kernels.py): same outputs as the stock ones, lossless speculation on them."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -139,19 +140,29 @@ def test_speculation_with_padded_products_reproduces_greedy_decoding_in_fp32():
         assert dec.generate(prompt, 32, method).tokens == ref, method
 
 
-def test_row_padding_is_measured_on_the_weights_and_can_be_set(monkeypatch):
+def test_row_padding_is_measured_on_the_weights_recorded_and_can_be_set(monkeypatch, tmp_path):
+    from treegraft_dist.models.prepare import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    record = tmp_path / kernels.PAD_RECORD
     model = tiny_model("llama", seed=1)
     linears = [m for m in packed(model).model.modules() if isinstance(m, PackedLinear)]
     monkeypatch.delenv(kernels.PAD_ENV, raising=False)
     assert kernels.row_padding(linears) == 1  # a few kB stay in cache: nothing to measure, nothing padded
+    assert not record.exists()
     monkeypatch.setattr(kernels, "PAD_PROBE_BYTES", 1)  # measure on them anyway: the rule, on real timings
     ms = kernels._sweep_ms(linears, range(1, 9))
     assert set(ms) == set(range(1, 9)) and all(t > 0 for t in ms.values())
     assert kernels.row_padding(linears) in (1, *kernels.PAD_CANDIDATES)
     monkeypatch.setattr(kernels, "_sweep_ms", lambda stack, rows: {1: 42.0, 2: 45.0, 3: 39.0, 4: 36.0, 5: 36.0,
                                                                    6: 35.0, 7: 42.0, 8: 42.0})
+    record.unlink()
     assert kernels.row_padding(linears) == 4
     monkeypatch.setattr(kernels, "_sweep_ms", lambda stack, rows: {n: 40.0 - 0.1 * n for n in range(1, 9)})
+    assert kernels.row_padding(linears) == 4  # the first choice on this processor is kept, not measured again
+    (key,) = json.loads(record.read_text())
+    assert "threads-float32-1layers-" in key  # the probe stops at the first layer reaching PAD_PROBE_BYTES
+    record.unlink()
     assert kernels.row_padding(linears) == 1  # 8 rows 2% faster than one: within noise, not padded
     monkeypatch.setenv(kernels.PAD_ENV, "off")
     assert kernels.row_padding(linears) == 1

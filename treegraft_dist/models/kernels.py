@@ -24,14 +24,17 @@ another device or change its weights afterwards; load it again for that.
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .precision import best_ms
+from ..files import write_json
+from .precision import best_ms, cpu_model
 
 LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | compact | packed | stock
 LINEAR_MODES = ("auto", "compact", "packed", "stock")
@@ -160,6 +163,10 @@ PAD_CANDIDATES = (2, 4, 8)
 PAD_PROBE_BYTES = 384 << 20  # more than any last-level cache seen: weights this large stream from memory
 PAD_MIN_GAIN = 0.93  # padding must measure at least 7% faster than one row, beyond timing noise
 _PAD_REPEATS = 3
+# Where two paddings measure close, the probe can pick either from one process to the next, and every cost
+# profile and fitted scheduler is keyed by the padding: the first choice on a processor, for layers of
+# those shapes and dtype, is recorded here (under prepare.cache_root()) and kept.
+PAD_RECORD = "kernels/row-padding.json"
 
 
 def row_padding(linears: list[PackedLinear]) -> int:
@@ -181,9 +188,25 @@ def row_padding(linears: list[PackedLinear]) -> int:
             break
     if size < PAD_PROBE_BYTES:
         return 1
-    ms = _sweep_ms(stack, range(1, max(PAD_CANDIDATES) + 1))
-    best = min(PAD_CANDIDATES, key=ms.__getitem__)
-    return best if ms[best] < PAD_MIN_GAIN * ms[1] else 1
+    from .prepare import cache_root  # not at the top: prepare imports compact, which imports this module
+
+    path = cache_root() / PAD_RECORD
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    key = _padding_key(stack)
+    if key not in record:
+        ms = _sweep_ms(stack, range(1, max(PAD_CANDIDATES) + 1))
+        best = min(PAD_CANDIDATES, key=ms.__getitem__)
+        record[key] = best if ms[best] < PAD_MIN_GAIN * ms[1] else 1
+        write_json(path, record)
+    return record[key]
+
+
+def _padding_key(stack: list[PackedLinear]) -> str:
+    """The processor, threads, dtype and probed layer shapes a padding choice was measured for."""
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    shapes = "-".join(dict.fromkeys(f"{m.out_features}x{m.in_features}" for m in stack))
+    dtype = str(stack[0].packed_weight.dtype).removeprefix("torch.")
+    return f"{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads-{dtype}-{len(stack)}layers-{shapes}"
 
 
 def _sweep_ms(stack: list[PackedLinear], rows) -> dict[int, float]:
