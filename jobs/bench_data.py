@@ -1,0 +1,103 @@
+"""Is the scheduler's data the limit? A learning curve of the value planner on a fixed set of held-out prompts.
+
+The collected rounds are priced with one cost profile (a `--costs` JSON as the main job caches it, or the one
+recorded at collection), then, for each number of train prompts, value heads on all signals are fitted on that
+many prompts drawn from the rest and followed greedily on the held-out prompts (the value planner: what the
+distilled scheduler approximates). If tokens/s keeps rising with the train prompts, more trajectories pay.
+Beside it, the one schedule fastest on the train prompts, used for every held-out round: what the signals
+add over no decision at all.
+
+    python jobs/bench_data.py --data treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct \
+        --costs ~/.cache/treegraft/models/profiles/<key>--costs.json --budget 12 --train 10,20,30 --seeds 0,1,2
+
+Prints a table (mean over seeds; each seed draws its own held-out and train prompts) and writes it as CSV
+with `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from treegraft_dist.decoding.costs import CostModel  # noqa: E402
+from treegraft_dist.files import write_csv  # noqa: E402
+from treegraft_dist.scheduling.collect import read_trajectories  # noqa: E402
+from treegraft_dist.scheduling.device import priced  # noqa: E402
+from treegraft_dist.scheduling.fit import call_cap, reference_speeds, schedules_from_margins, speed  # noqa: E402
+from treegraft_dist.scheduling.value import CANDIDATE_SUBSETS, feasible, fit_value_heads  # noqa: E402
+
+
+def feasible_schedules(cap: int) -> list[int]:
+    return [int(s) for s in np.flatnonzero(feasible(cap))]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, help="a `treegraft collect` output folder")
+    p.add_argument("--costs", default=None, help="a cost profile JSON (default: the one recorded at collection)")
+    p.add_argument("--budget", type=int, default=12, help="recorded tree budget to price the rounds at")
+    p.add_argument("--heldout", type=int, default=20, help="held-out prompts (the same for every train size)")
+    p.add_argument("--train", type=ints, default=[10, 20, 30], help="train prompt counts, comma-separated")
+    p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--out", default=None, help="CSV of the per-seed rows")
+    args = p.parse_args()
+
+    traj = read_trajectories(args.data)
+    if args.costs:
+        traj = priced(traj, CostModel.from_dict(json.loads(Path(args.costs).expanduser().read_text())))
+    if args.budget not in traj.budgets:
+        sys.exit(f"budget {args.budget} was not recorded in {args.data}: use one of {list(traj.budgets)}")
+    rounds = traj.rounds(args.budget)
+    cap = call_cap(traj.cost, args.budget)
+    keep = rounds.benchmarks != "mt_bench"
+    prompts = np.unique(rounds.prompt_ids[keep])
+    if args.heldout + max(args.train) > len(prompts):
+        sys.exit(f"{len(prompts)} prompts collected: {args.heldout} held out leaves fewer than {max(args.train)} "
+                 "to train on; lower --heldout or --train")
+
+    rows = []
+    with tqdm(total=len(args.seeds) * len(args.train), desc="fitting value heads", unit="fit") as bar:
+        for seed in args.seeds:
+            order = np.random.default_rng(seed).permutation(prompts)
+            held_ids, pool = order[:args.heldout], order[args.heldout:]
+            held = rounds.take(np.flatnonzero(np.isin(rounds.prompt_ids, held_ids)))
+            ref = reference_speeds(held, cap)
+            for n in args.train:
+                train = rounds.take(np.flatnonzero(np.isin(rounds.prompt_ids, pool[:n])))
+                heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed)
+                planner = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
+                fixed = max(feasible_schedules(cap), key=lambda s: speed(train, np.full(len(train), s)))
+                rows.append({"seed": seed, "train_prompts": n, "train_rounds": len(train),
+                             "heldout_rounds": len(held), "heldout_error": heads.heldout_error(held)["mean"],
+                             "planner_tok_s": planner, "oracle_tok_s": ref["oracle"],
+                             "all_small_tok_s": ref["all-small"], "of_oracle": planner / ref["oracle"],
+                             "fixed_schedule": fixed, "fixed_of_oracle": speed(held, np.full(len(held), fixed)) / ref["oracle"]})
+                bar.update()
+
+    print(f"\n{traj.cost.device}, budget {args.budget}, call cap {cap}; {args.heldout} held-out prompts, "
+          f"mean of {len(args.seeds)} seeds\n")
+    print("| train prompts | train rounds | held-out error | planner tok/s | oracle tok/s | planner / oracle | "
+          "best fixed schedule / oracle |")
+    print("|---|---|---|---|---|---|---|")
+    for n in args.train:
+        sel = [r for r in rows if r["train_prompts"] == n]
+        mean = {k: float(np.mean([r[k] for r in sel])) for k in sel[0] if k != "seed"}
+        print(f"| {n} | {mean['train_rounds']:.0f} | {mean['heldout_error']:.3f} | {mean['planner_tok_s']:.2f} | "
+              f"{mean['oracle_tok_s']:.2f} | {mean['of_oracle']:.1%} | {mean['fixed_of_oracle']:.1%} |")
+    if args.out:
+        write_csv(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
