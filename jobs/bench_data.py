@@ -5,7 +5,12 @@ recorded at collection), then, for each number of train prompts, value heads on 
 many prompts drawn from the rest and followed greedily on the held-out prompts (the value planner: what the
 distilled scheduler approximates). If tokens/s keeps rising with the train prompts, more trajectories pay.
 Beside it, the one schedule fastest on the train prompts, used for every held-out round: what the signals
-add over no decision at all.
+add over no decision at all. `--history` fits a second planner on rounds whose two timing signals (constant
+within one device's fit, so left out of it) are replaced by the previous round's accepted lengths (under the
+schedule that advanced the collection, and under all-small): whether recent acceptance predicts the next
+round's. Last, the ceilings of policies that pick one schedule in hindsight per benchmark and per prompt
+(every collected prompt but MT-Bench's): how much of the per-round oracle any choice coarser than a round
+can reach.
 
     python jobs/bench_data.py --data treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct \
         --costs ~/.cache/treegraft/models/profiles/<key>--costs.json --budget 12 --train 10,20,30 --seeds 0,1,2
@@ -38,6 +43,32 @@ def feasible_schedules(cap: int) -> list[int]:
     return [int(s) for s in np.flatnonzero(feasible(cap))]
 
 
+def with_history(traj, rounds):
+    """`rounds` with signals 1 and 2 (t_tgt_ms, t_mid_ms) replaced by log1p of the previous round's accepted
+    length under the collection's behaviour schedule and under all-small (0 at a prompt's first round)."""
+    order = traj.table.column("round").to_numpy()
+    behaviour = traj.table.column("behaviour").to_numpy().astype(np.int64)
+    prev = np.zeros((len(order), 2))
+    later = np.flatnonzero(order > 0)  # rows are stored in round order within a prompt
+    if np.any(order[later - 1] != order[later] - 1):
+        raise ValueError("rounds are not stored in order within each prompt: the previous round is not the row before")
+    prev[later, 0] = rounds.accepted[later - 1, behaviour[later - 1]]
+    prev[later, 1] = rounds.accepted[later - 1, 0]
+    signals = rounds.signals.copy()
+    signals[:, :, 1:3] = np.log1p(prev)[:, None, :]
+    return type(rounds)(signals, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
+
+
+def hindsight(rounds, cap: int, groups: np.ndarray) -> float:
+    """Tokens/s when each group of rounds runs the one feasible schedule fastest on that group."""
+    best = np.zeros(len(rounds), np.int64)
+    for g in np.unique(groups):
+        idx = np.flatnonzero(groups == g)
+        part = rounds.take(idx)
+        best[idx] = max(feasible_schedules(cap), key=lambda s: speed(part, np.full(len(part), s)))
+    return speed(rounds, best)
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -50,16 +81,22 @@ def main() -> None:
     p.add_argument("--heldout", type=int, default=20, help="held-out prompts (the same for every train size)")
     p.add_argument("--train", type=ints, default=[10, 20, 30], help="train prompt counts, comma-separated")
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--history", action="store_true", help="also fit on the previous round's accepted lengths")
     p.add_argument("--out", default=None, help="CSV of the per-seed rows")
     args = p.parse_args()
 
     traj = read_trajectories(args.data)
     if args.costs:
-        traj = priced(traj, CostModel.from_dict(json.loads(Path(args.costs).expanduser().read_text())))
+        costs = Path(args.costs).expanduser()
+        if not costs.is_file():
+            sys.exit(f"--costs {args.costs}: no such file; give a <cache>/profiles/*--costs.json that `treegraft "
+                     "eval` or `treegraft fit --for-device` wrote")
+        traj = priced(traj, CostModel.from_dict(json.loads(costs.read_text())))
     if args.budget not in traj.budgets:
         sys.exit(f"budget {args.budget} was not recorded in {args.data}: use one of {list(traj.budgets)}")
     rounds = traj.rounds(args.budget)
     cap = call_cap(traj.cost, args.budget)
+    variants = {"signals": rounds, **({"signals + history": with_history(traj, rounds)} if args.history else {})}
     keep = rounds.benchmarks != "mt_bench"
     prompts = np.unique(rounds.prompt_ids[keep])
     if args.heldout + max(args.train) > len(prompts):
@@ -67,34 +104,45 @@ def main() -> None:
                  "to train on; lower --heldout or --train")
 
     rows = []
-    with tqdm(total=len(args.seeds) * len(args.train), desc="fitting value heads", unit="fit") as bar:
+    with tqdm(total=len(args.seeds) * len(args.train) * len(variants), desc="fitting value heads", unit="fit") as bar:
         for seed in args.seeds:
             order = np.random.default_rng(seed).permutation(prompts)
             held_ids, pool = order[:args.heldout], order[args.heldout:]
-            held = rounds.take(np.flatnonzero(np.isin(rounds.prompt_ids, held_ids)))
-            ref = reference_speeds(held, cap)
-            for n in args.train:
-                train = rounds.take(np.flatnonzero(np.isin(rounds.prompt_ids, pool[:n])))
-                heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed)
-                planner = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
-                fixed = max(feasible_schedules(cap), key=lambda s: speed(train, np.full(len(train), s)))
-                rows.append({"seed": seed, "train_prompts": n, "train_rounds": len(train),
-                             "heldout_rounds": len(held), "heldout_error": heads.heldout_error(held)["mean"],
-                             "planner_tok_s": planner, "oracle_tok_s": ref["oracle"],
-                             "all_small_tok_s": ref["all-small"], "of_oracle": planner / ref["oracle"],
-                             "fixed_schedule": fixed, "fixed_of_oracle": speed(held, np.full(len(held), fixed)) / ref["oracle"]})
-                bar.update()
+            for name, view in variants.items():
+                held = view.take(np.flatnonzero(np.isin(view.prompt_ids, held_ids)))
+                ref = reference_speeds(held, cap)
+                for n in args.train:
+                    train = view.take(np.flatnonzero(np.isin(view.prompt_ids, pool[:n])))
+                    heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed)
+                    planner = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
+                    fixed = max(feasible_schedules(cap), key=lambda s: speed(train, np.full(len(train), s)))
+                    rows.append({"inputs": name, "seed": seed, "train_prompts": n, "train_rounds": len(train),
+                                 "heldout_rounds": len(held), "heldout_error": heads.heldout_error(held)["mean"],
+                                 "planner_tok_s": planner, "oracle_tok_s": ref["oracle"],
+                                 "all_small_tok_s": ref["all-small"], "of_oracle": planner / ref["oracle"],
+                                 "fixed_schedule": fixed,
+                                 "fixed_of_oracle": speed(held, np.full(len(held), fixed)) / ref["oracle"]})
+                    bar.update()
 
     print(f"\n{traj.cost.device}, budget {args.budget}, call cap {cap}; {args.heldout} held-out prompts, "
           f"mean of {len(args.seeds)} seeds\n")
-    print("| train prompts | train rounds | held-out error | planner tok/s | oracle tok/s | planner / oracle | "
-          "best fixed schedule / oracle |")
-    print("|---|---|---|---|---|---|---|")
-    for n in args.train:
-        sel = [r for r in rows if r["train_prompts"] == n]
-        mean = {k: float(np.mean([r[k] for r in sel])) for k in sel[0] if k != "seed"}
-        print(f"| {n} | {mean['train_rounds']:.0f} | {mean['heldout_error']:.3f} | {mean['planner_tok_s']:.2f} | "
-              f"{mean['oracle_tok_s']:.2f} | {mean['of_oracle']:.1%} | {mean['fixed_of_oracle']:.1%} |")
+    print("| planner inputs | train prompts | train rounds | held-out error | planner tok/s | oracle tok/s | "
+          "planner / oracle | best fixed schedule / oracle |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in variants:
+        for n in args.train:
+            sel = [r for r in rows if r["train_prompts"] == n and r["inputs"] == name]
+            mean = {k: float(np.mean([r[k] for r in sel])) for k in sel[0] if k not in ("seed", "inputs")}
+            print(f"| {name} | {n} | {mean['train_rounds']:.0f} | {mean['heldout_error']:.3f} | "
+                  f"{mean['planner_tok_s']:.2f} | {mean['oracle_tok_s']:.2f} | {mean['of_oracle']:.1%} | "
+                  f"{mean['fixed_of_oracle']:.1%} |")
+
+    every = rounds.take(np.flatnonzero(keep))
+    top = reference_speeds(every, cap)["oracle"]
+    print(f"\nHindsight ceilings on all {len(prompts)} prompts ({len(every)} rounds): one schedule for all "
+          f"{hindsight(every, cap, np.zeros(len(every))) / top:.1%}, one per benchmark "
+          f"{hindsight(every, cap, every.benchmarks) / top:.1%}, one per prompt "
+          f"{hindsight(every, cap, every.prompt_ids) / top:.1%} of the per-round oracle ({top:.2f} tok/s)")
     if args.out:
         write_csv(args.out, rows)
 

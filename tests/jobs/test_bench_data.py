@@ -19,10 +19,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_curve_fits_on_more_prompts_and_never_beats_the_oracle(tmp_path):
     out = tmp_path / "curve.csv"
-    done = run("--budget", "4", "--heldout", "8", "--train", "3,12", "--seeds", "0,1", "--out", str(out))
+    done = run("--budget", "4", "--heldout", "8", "--train", "3,12", "--seeds", "0,1", "--history", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| 3 |" in done.stdout and "| 12 |" in done.stdout
-    rows = list(csv.DictReader(out.open()))
+    assert "| signals | 3 |" in done.stdout and "| signals | 12 |" in done.stdout
+    assert "| signals + history | 12 |" in done.stdout and "one per prompt" in done.stdout
+    rows = [r for r in csv.DictReader(out.open()) if r["inputs"] == "signals"]
     assert len(rows) == 4
     for r in rows:
         assert 0 < float(r["planner_tok_s"]) <= float(r["oracle_tok_s"]) * (1 + 1e-9)
@@ -38,3 +39,5 @@ def test_asking_for_more_prompts_than_were_collected_says_so():
     assert done.returncode != 0 and "prompts collected" in done.stderr
     done = run("--budget", "5")
     assert done.returncode != 0 and "was not recorded" in done.stderr
+    done = run("--costs", "/nonexistent/costs.json")
+    assert done.returncode != 0 and "no such file" in done.stderr and "Traceback" not in done.stderr
