@@ -163,10 +163,12 @@ def swept_profile(measure: Callable[[int], float], sizes: tuple[int, ...], desc:
     best: dict[int, float] = {}
     with tqdm(total=PROFILE_SWEEPS * len(sizes), desc=desc, unit="pass", file=sys.stderr) as bar:
         for _ in range(PROFILE_SWEEPS):
-            for b in sizes:
+            for i, b in enumerate(sizes):
                 best[b] = min(best.get(b, float("inf")), measure(b))
                 bar.update()
                 if stop_ratio is not None and best[b] > stop_ratio * best[sizes[0]]:
+                    bar.total -= len(sizes) - i - 1  # the sizes past it are not measured in this sweep
+                    bar.refresh()
                     break
     kept = [b for b in sizes if b in best]
     if stop_ratio is not None:
