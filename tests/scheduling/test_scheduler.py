@@ -473,3 +473,20 @@ def test_scheduler_benchmark_runs_and_reports_positive_times(capsys):
         assert 0 < row["median_ms"] <= row["p90_ms"] < 1e3
     out = capsys.readouterr().out
     assert "(d) ValuePlanner.decide" in out and "ms target" in out
+
+
+def test_the_engine_caps_calls_at_the_fitted_cap_at_the_fitted_budget_not_at_its_own_timings(fitted):
+    """Timings taken in a busy moment (here b0 = floor(12 / 8) = 1) must not halve the cap the scheduler's
+    margins were fitted for; at another budget the fitted cap does not apply and b0 does."""
+    target, mid = tiny_pair("llama", "close")
+    prompt = [5, 9, 2, 6, 5, 3] * 4
+    scheduler = always_call()
+    scheduler.info = SchedulerInfo(PAIR, {"budget": 16, "call_cap": 3})
+    for budget, cap in ((16, 3), (32, 1)):
+        dec = Decoder(target, mid, TreeConfig(budget=budget), timings=Timings(12.0, 8.0))
+        got = dec.generate(prompt, 20, scheduler)
+        assert got.tokens == hf_greedy(target, prompt, 20)
+        assert set(got.stats.middle_calls) == {cap}, budget
+    # The value planner plans for the cap it is given; without one the engine's b0 stays in place.
+    assert value.ValuePlanner(fitted[1], 2).call_cap_at(16) == 2
+    assert value.ValuePlanner(fitted[1]).call_cap_at(16) is None

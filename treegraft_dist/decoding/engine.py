@@ -352,10 +352,12 @@ def default_call_budget(timings: Timings) -> int:
 
 def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings]) -> TreeConfig:
     """The tree settings a request runs with: a policy marked `budgeted` (the learned scheduler, the value
-    planner) gets the call budget b0 = floor(T_tgt / T_mid) per round unless the config sets one."""
-    if cfg.call_budget is None and getattr(policy, "budgeted", False):
-        return dataclasses.replace(cfg, call_budget=default_call_budget(timings()))
-    return cfg
+    planner) gets a per-round call budget unless the config sets one: the cap it was fitted with at this
+    budget (`policy.call_cap_at`), else b0 = floor(T_tgt / T_mid) from this engine's timings."""
+    if cfg.call_budget is not None or not getattr(policy, "budgeted", False):
+        return cfg
+    fitted = policy.call_cap_at(cfg.budget) if hasattr(policy, "call_cap_at") else None
+    return dataclasses.replace(cfg, call_budget=fitted if fitted is not None else default_call_budget(timings()))
 
 
 def check_request(prompt: list[int], max_new_tokens: int) -> None:

@@ -125,7 +125,7 @@ class LearnedScheduler:
 
     name = "treegraft"
     needs_signals = True
-    budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
+    budgeted = True  # the engine caps its middle calls a round: call_cap_at, else b0 = floor(T_tgt / T_mid)
     stateless = True
 
     def __init__(self, model: SchedulerMLP, info: SchedulerInfo):
@@ -145,6 +145,15 @@ class LearnedScheduler:
         # What the artifact carries besides the scheduler (scheduling.artifact.save_artifact puts the value heads here).
         self.extra_arrays: dict[str, np.ndarray] = {}
         self.extra_meta: dict = {}
+
+    def call_cap_at(self, budget: int) -> int | None:
+        """The per-round call cap this scheduler was fitted with, where it runs at the budget it was fitted
+        for (None otherwise, or for an artifact that records none). Its margins assume exactly that cap: the
+        engine applies it rather than one it times itself, which a busy moment can halve."""
+        profile = self.info.cost_profile
+        if profile.get("call_cap") is None or profile.get("budget") != budget:
+            return None
+        return int(profile["call_cap"])
 
     @property
     def subset(self) -> tuple[str, ...]:

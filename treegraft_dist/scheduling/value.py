@@ -415,7 +415,7 @@ class ValuePlanner:
 
     name = "value-planner"
     needs_signals = True
-    budgeted = True  # the engine caps its middle calls at b0 = floor(T_tgt / T_mid) a round
+    budgeted = True  # the engine caps its middle calls a round: max_calls where given, else b0 = floor(T_tgt / T_mid)
     stateless = True
 
     def __init__(self, heads: ValueHeads, max_calls: int | None = None):
@@ -429,6 +429,9 @@ class ValuePlanner:
             rows[:, NUM_SIGNALS:] = suffixes
             self._rows.append(rows)
         self._inputs = [torch.from_numpy(rows) for rows in self._rows]  # views of the same memory
+
+    def call_cap_at(self, budget: int) -> int | None:
+        return self.max_calls  # what its plans assume, at whatever budget it was given
 
     def decide(self, signals: np.ndarray, layer: int) -> bool:  # signals: [17]
         if not 0 <= layer < D:
