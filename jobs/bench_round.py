@@ -62,13 +62,34 @@ def import_revision(rev: str, scratch: Path) -> str:
     return name
 
 
+def module(package: str, *names: str):
+    """`package`'s module under the first of `names` it has (revisions before the package was split into
+    models/, decoding/, evaluation/ kept every module at the top)."""
+    for name in names:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if not e.name or not f"{package}.{name}".startswith(e.name):
+                raise
+    raise ModuleNotFoundError(f"{package} has none of {', '.join(names)}")
+
+
+def load_middle(models, source: str, dtype: str, tokenizer):
+    """The middle drafter as the evaluation loads it (int8 decoder linears where faster), where the revision
+    has that option."""
+    try:
+        return models.load_model(source, "cpu", dtype, tokenizer, drafter=True)
+    except TypeError:
+        return models.load_model(source, "cpu", dtype, tokenizer)
+
+
 class Models:
     """The embedded pair, loaded once (with the first revision's loader) and shared by all revisions."""
 
     def __init__(self, package: str, dtype: str, with_middle: bool):
-        prepare = importlib.import_module(f"{package}.prepare")
-        models = importlib.import_module(f"{package}.models")
-        benchmarks = importlib.import_module(f"{package}.benchmarks")
+        prepare = module(package, "models.prepare", "prepare")
+        models = module(package, "models.loading", "models")
+        benchmarks = module(package, "evaluation.benchmarks", "benchmarks")
         root = prepare.cache_root()
         for name in (TARGET, MIDDLE):
             if not (root / name / prepare.MARKER_NAME).is_file():
@@ -76,8 +97,12 @@ class Models:
         target = models.load_model(str(root / TARGET), "cpu", dtype)
         self.tokenizer = target.tokenizer
         self.target = target.lm.model
-        self.middle = models.load_model(str(root / MIDDLE), "cpu", dtype, target.tokenizer).lm.model \
-            if with_middle else None
+        middle = load_middle(models, str(root / MIDDLE), dtype, target.tokenizer) if with_middle else None
+        self.middle = middle.lm.model if middle is not None else None
+        # The drafting head over the draft vocabulary lives on the loader's wrapper: revisions that have one
+        # take it over (a revision's own wrapper is built around the same model).
+        self.draft_head = {k: getattr(middle.lm, k) for k in ("draft_vocab", "_draft_head")
+                           if middle is not None and hasattr(middle.lm, k)}
         self.prompts = {}
         for name in benchmarks.BENCHMARKS:
             question = benchmarks.builtin(name)[0]
@@ -90,13 +115,16 @@ class Revision:
     def __init__(self, rev: str, package: str, models: Models):
         self.rev = rev
         self.models = models
-        hf = importlib.import_module(f"{package}.hf")
-        self.engine = importlib.import_module(f"{package}.engine")
-        self.config = importlib.import_module(f"{package}.config")
+        hf = module(package, "models.hf", "hf")
+        self.engine = module(package, "decoding.engine", "engine")
+        self.config = module(package, "decoding.config", "config")
         self.target = hf.CausalLM(models.target)
         self.middle = hf.CausalLM(models.middle) if models.middle is not None else None
+        for k, v in models.draft_head.items():
+            if self.middle is not None and hasattr(self.middle, k):
+                setattr(self.middle, k, v)
         self.digest = hashlib.sha1()
-        verify = importlib.import_module(f"{package}.verify")
+        verify = module(package, "decoding.verify", "verify")
         original = verify.TargetVerifier.verify
 
         def verify_and_hash(verifier, tree):

@@ -87,6 +87,21 @@ def test_fitted_on_first_use_for_this_profile_then_loaded_from_the_cache(models,
     assert again.margin(x) == pytest.approx(sched.margin(x))
 
 
+def test_a_profile_measured_again_means_a_new_fit(models, ship, tmp_path, capsys):
+    """A cost profile replaced after a busy first measurement must not keep the fit made for its old costs."""
+    target, middle = models
+    ctx = list(range(40))
+    first, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    (path,) = [p for p in (tmp_path / "profiles").iterdir() if "+" not in p.name and "middle" not in p.name]
+    busy = {str(k): 1e3 * (v + 1.0) for k, v in json.loads(path.read_text())["verify_ms"].items()}
+    path.write_text(json.dumps({"verify_ms": busy}))
+    again, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str)
+    assert "busy machine" in capsys.readouterr().err
+    assert len(ship) == 2 and len(list((tmp_path / "schedulers").glob("*.npz"))) == 2
+    costs = json.loads(next((tmp_path / "profiles").glob("*--costs.json")).read_text())
+    assert again.info.cost_profile["verify_ms"] == costs["verify_ms"]  # fitted for the costs measured again
+
+
 def test_another_dtype_is_another_profile_with_its_own_fit(models, ship, tmp_path):
     target, middle = models
     bf16 = [CausalLM(type(m.model)(m.model.config).to(torch.bfloat16).eval()) for m in models]

@@ -105,15 +105,16 @@ def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source:
         return None
     tree = collected
     key = profile_key(target, target_source, middle, middle_source)
-    # The data's identity and the fit's version are part of the name: new shipped trajectories, or a fit
-    # that changed what it learns from them, mean a new fit.
-    digest = hashlib.sha256(json.dumps({**traj.manifest, "fit_version": FIT_VERSION}, sort_keys=True).encode()
-                            ).hexdigest()[:12]
+    cost = device_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
+    # The data's identity, the fit's version and the costs are part of the name: new shipped trajectories, a
+    # fit that changed what it learns from them, or a profile measured again (it was taken on a busy
+    # machine) mean a new fit.
+    digest = hashlib.sha256(json.dumps({**traj.manifest, "fit_version": FIT_VERSION, "cost": cost.to_dict()},
+                                       sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / "schedulers" / f"{key}--{digest}.npz"
     if path.is_file():
         scheduler, heads = load_artifact(path, expect_pair=pair)
     else:
-        cost = device_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
         log(f"fitting the scheduler for this device ({key}) from {folder.name} "
             f"({traj.table.num_rows} rounds); cached at {path}")
         scheduler, heads = fit_for_device(traj, cost, key, path, log=lambda m: print(m, file=sys.stderr))
