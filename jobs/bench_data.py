@@ -8,7 +8,11 @@ Beside it, the one schedule fastest on the train prompts, used for every held-ou
 add over no decision at all. `--history` fits a second planner on rounds whose two timing signals (constant
 within one device's fit, so left out of it) are replaced by the previous round's accepted lengths (under the
 schedule that advanced the collection, and under all-small): whether recent acceptance predicts the next
-round's. Last, the ceilings of policies that pick one schedule in hindsight per benchmark and per prompt
+round's. `--root-signals` fits a third on rounds whose three device-constant signals (the two timings and
+their log ratio) are replaced by what the round's root says before any drafting: the target's probability of
+the root token where it produced it, that distribution's entropy, and log1p of the longest earlier match of
+the context's suffix (the n-gram drafter copies from there); the target's greedy reference of every prompt
+is decoded again for it (bf16: minutes on a CPU). Last, the ceilings of policies that pick one schedule in hindsight per benchmark and per prompt
 (every collected prompt but MT-Bench's): how much of the per-round oracle any choice coarser than a round
 can reach.
 
@@ -35,8 +39,17 @@ from treegraft_dist.decoding.costs import CostModel  # noqa: E402
 from treegraft_dist.files import write_csv  # noqa: E402
 from treegraft_dist.scheduling.collect import read_trajectories  # noqa: E402
 from treegraft_dist.scheduling.device import priced  # noqa: E402
-from treegraft_dist.scheduling.fit import call_cap, reference_speeds, schedules_from_margins, speed  # noqa: E402
+from treegraft_dist.decoding.schedule import SCHEDULES  # noqa: E402
+from treegraft_dist.scheduling.fit import (  # noqa: E402
+    call_cap,
+    oracle_schedules,
+    reference_speeds,
+    schedules_from_margins,
+    speed,
+)
 from treegraft_dist.scheduling.value import CANDIDATE_SUBSETS, feasible, fit_value_heads  # noqa: E402
+
+MATCH_CAP = 32  # longest suffix match looked for, in tokens
 
 
 def feasible_schedules(cap: int) -> list[int]:
@@ -56,6 +69,64 @@ def with_history(traj, rounds):
     prev[later, 1] = rounds.accepted[later - 1, 0]
     signals = rounds.signals.copy()
     signals[:, :, 1:3] = np.log1p(prev)[:, None, :]
+    return type(rounds)(signals, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
+
+
+def longest_match(context: list[int], cap: int = MATCH_CAP) -> int:
+    """Length of the longest suffix of `context` that also occurs earlier in it (up to `cap`)."""
+    n, best = len(context), 0
+    for length in range(1, min(cap, n - 1) + 1):
+        suffix = context[n - length :]
+        if not any(context[i : i + length] == suffix for i in range(n - length)):
+            break
+        best = length
+    return best
+
+
+def root_features(traj) -> np.ndarray:  # [R, 3]: p(root), entropy where the root was produced, log1p(match)
+    """Per round, from the target's greedy reference of its prompt decoded again with the embedded target."""
+    import torch
+
+    from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+    from treegraft_dist.models.loading import load_model
+    from treegraft_dist.models.prepare import MARKER_NAME, cache_root
+    from treegraft_dist.scheduling.collect import reference_decode
+
+    source = cache_root() / "qwen2.5-coder-1.5b-instruct"
+    if not (source / MARKER_NAME).is_file():
+        sys.exit(f"--root-signals decodes with the embedded target: run `treegraft prepare-models` first ({source})")
+    target = load_model(str(source), "cpu", "auto")
+    t = traj.table
+    bench = np.asarray(t.column("benchmark").to_pylist())
+    ids = np.asarray(t.column("prompt_id").to_pylist())
+    position = t.column("position").to_numpy()
+    prompt_len = t.column("prompt_len").to_numpy()
+    out = np.zeros((t.num_rows, 3))
+    keys = sorted(set(zip(bench.tolist(), ids.tolist())))
+    for b, q_id in tqdm(keys, desc="references decoded again", unit="prompt"):
+        rows = np.flatnonzero((bench == b) & (ids == q_id))
+        question = next(q for q in builtin(b) if q.question_id == q_id)
+        prompt = chat_prompt(target.tokenizer, [question.turns[0]], [])
+        if len(prompt) != prompt_len[rows[0]]:
+            sys.exit(f"{b}/{q_id}: the prompt has {len(prompt)} tokens here and {prompt_len[rows[0]]} in the data")
+        ref, _ = reference_decode(target.lm, prompt, int(position[rows].max()) + 1, set(target.eos_ids))
+        seq = prompt + ref
+        with torch.inference_mode():
+            logp = torch.log_softmax(target.lm.logits(target.lm.hidden(target.lm.new_cache(), torch.tensor(seq),
+                                                                     torch.arange(len(seq)))), -1)
+        top = logp.max(-1).values.exp().numpy()  # [len(seq)]: row i, the target's confidence in token i + 1
+        entropy = -(logp.exp() * logp).sum(-1).numpy()
+        for r in rows:
+            produced = min(len(prompt) + int(position[r]) - 2, len(seq) - 1)  # the row that gave the root
+            context = seq[: len(prompt) + int(position[r])]
+            out[r] = top[produced], entropy[produced], np.log1p(longest_match(context))
+    return out
+
+
+def with_root(rounds, features: np.ndarray):
+    """`rounds` with signals 1-3 (the device-constant timings) replaced by `features` ([R, 3])."""
+    signals = rounds.signals.copy()
+    signals[:, :, 1:4] = features[:, None, :].astype(np.float32)
     return type(rounds)(signals, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
 
 
@@ -82,6 +153,8 @@ def main() -> None:
     p.add_argument("--train", type=ints, default=[10, 20, 30], help="train prompt counts, comma-separated")
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--history", action="store_true", help="also fit on the previous round's accepted lengths")
+    p.add_argument("--root-signals", action="store_true",
+                   help="also fit on what the round's root says (target confidence and entropy, suffix match)")
     p.add_argument("--out", default=None, help="CSV of the per-seed rows")
     args = p.parse_args()
 
@@ -97,6 +170,14 @@ def main() -> None:
     rounds = traj.rounds(args.budget)
     cap = call_cap(traj.cost, args.budget)
     variants = {"signals": rounds, **({"signals + history": with_history(traj, rounds)} if args.history else {})}
+    if args.root_signals:
+        features = root_features(traj)
+        variants["signals + root"] = with_root(rounds, features)
+        calls_best = np.array([sum(SCHEDULES[s]) for s in oracle_schedules(rounds, cap)])
+        names = ("target p(root)", "entropy at the root", "log1p suffix match")
+        print("correlation with the oracle's middle calls a round / with all-small's accepted length: " + "; ".join(
+            f"{n} {np.corrcoef(features[:, j], calls_best)[0, 1]:+.2f} / "
+            f"{np.corrcoef(features[:, j], rounds.accepted[:, 0])[0, 1]:+.2f}" for j, n in enumerate(names)))
     keep = rounds.benchmarks != "mt_bench"
     prompts = np.unique(rounds.prompt_ids[keep])
     if args.heldout + max(args.train) > len(prompts):
