@@ -236,7 +236,10 @@ def kill_processes(title: str) -> int:
     for proc in psutil.process_iter(["cmdline"]):
         first = (proc.info["cmdline"] or [""])[0].split()
         if first and (first[0] == title or first[0].startswith(title + ".")):
-            proc.kill()
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:  # it ended between the listing and the kill (a Ray worker winding down)
+                continue
             killed += 1
     return killed
 
