@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from treegraft_dist import draft, kernels  # noqa: E402
+from treegraft_dist.models import draft, kernels  # noqa: E402
 from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
 from treegraft_dist.decoding.engine import Decoder  # noqa: E402
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402

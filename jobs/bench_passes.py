@@ -1,6 +1,6 @@
 """Small passes on a CPU, their two speed-ups on and off side by side: products of a few rows padded to
-the row count oneDNN streams fastest (kernels.row_padding) and single-request blocks of up to
-hf.SMALL_BLOCK rows attending by grouped matmuls instead of torch's fused attention.
+the row count oneDNN streams fastest (models/kernels.row_padding) and single-request blocks of up to
+models/hf.SMALL_BLOCK rows attending by grouped matmuls instead of torch's fused attention.
 
     python jobs/bench_passes.py --benchmarks humaneval,gsm8k,sum --new-tokens 64 --repeats 2
 
@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from treegraft_dist import benchmarks, hf, kernels, lossless, prepare  # noqa: E402
+from treegraft_dist.evaluation import benchmarks, lossless  # noqa: E402
+from treegraft_dist.models import hf, kernels, prepare  # noqa: E402
 from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
 from treegraft_dist.decoding.engine import Decoder  # noqa: E402
 from treegraft_dist.models.loading import load_model  # noqa: E402
