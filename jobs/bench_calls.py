@@ -4,8 +4,8 @@ Runs `treegraft eval` with the arguments given after `--`, timing every step of 
 forwards and its top-k, and prints per method:
   calls, ms a call, forwards a call and tokens a forward (catch-up on accepted tokens and the tree nodes);
   of a call's ms: forwards, what the cost profile prices forwards of those sizes at (costs.middle_profile,
-  as the scheduler's fit uses it; read from the model cache, or measured after the decodes), top-k over the draft vocabulary and the request's own tokens, the rest
-  (masks, rescoring, reselecting);
+  as the scheduler's fit uses it; read from the model cache, or measured after the decodes), top-k over the
+  draft vocabulary and the request's own tokens, the rest (masks, rescoring, reselecting);
   the prompt reads: a request's first call runs the whole prompt, a per-request cost no profile prices
   (kept out of the per-call figures).
 
@@ -103,8 +103,9 @@ class Recorder:
 
     def table(self) -> str:
         profile = self.profile()
-        lines = ["| method | calls | ms a call | forwards ms | profile's price | top-k ms | rest ms | forwards a call | "
-                 "tokens a forward | prompt reads (tokens, ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = ["| method | calls | ms a call | forwards ms | profile's price | top-k ms | rest ms | "
+                 "forwards a call | tokens a forward | prompt reads (tokens, ms) |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for method, calls in self.calls.items():
             fwd = np.array([sum(ms for _, ms in c["forwards"]) for c in calls])
             sizes = [n for c in calls for n, _ in c["forwards"]]

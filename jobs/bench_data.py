@@ -12,9 +12,9 @@ round's. `--root-signals` fits a third on rounds whose three device-constant sig
 their log ratio) are replaced by what the round's root says before any drafting: the target's probability of
 the root token where it produced it, that distribution's entropy, and log1p of the longest earlier match of
 the context's suffix (the n-gram drafter copies from there); the target's greedy reference of every prompt
-is decoded again for it (bf16: minutes on a CPU). Last, the ceilings of policies that pick one schedule in hindsight per benchmark and per prompt
-(every collected prompt but MT-Bench's): how much of the per-round oracle any choice coarser than a round
-can reach.
+is decoded again for it (bf16: minutes on a CPU). Last, the ceilings of policies that pick one schedule in
+hindsight per benchmark and per prompt (every collected prompt but MT-Bench's): how much of the per-round
+oracle any choice coarser than a round can reach.
 
     python jobs/bench_data.py --data treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct \
         --costs ~/.cache/treegraft/models/profiles/<key>--costs.json --budget 12 --train 10,20,30 --seeds 0,1,2
@@ -36,10 +36,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from treegraft_dist.decoding.costs import CostModel  # noqa: E402
+from treegraft_dist.decoding.schedule import SCHEDULES  # noqa: E402
 from treegraft_dist.files import write_csv  # noqa: E402
 from treegraft_dist.scheduling.collect import read_trajectories  # noqa: E402
 from treegraft_dist.scheduling.device import priced  # noqa: E402
-from treegraft_dist.decoding.schedule import SCHEDULES  # noqa: E402
 from treegraft_dist.scheduling.fit import (  # noqa: E402
     call_cap,
     oracle_schedules,

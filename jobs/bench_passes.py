@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from treegraft_dist.evaluation import benchmarks, lossless  # noqa: E402
-from treegraft_dist.models import hf, kernels, prepare  # noqa: E402
 from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
 from treegraft_dist.decoding.engine import Decoder  # noqa: E402
+from treegraft_dist.evaluation import benchmarks, lossless  # noqa: E402
+from treegraft_dist.models import hf, kernels, prepare  # noqa: E402
 from treegraft_dist.models.loading import load_model  # noqa: E402
 
 TARGET, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

@@ -172,3 +172,17 @@ def test_a_profile_slowed_only_at_a_round_size_is_measured_again(models, tmp_pat
     again = latency_profile(target, "tiny-t", tmp_path)
     assert again[size] < 100.0 and "busy machine" in capsys.readouterr().err
     assert json.loads(path.read_text())["verify_ms"][str(size)] == again[size]
+
+
+def test_a_sane_cached_profile_is_checked_once_a_process(models, tmp_path, monkeypatch):
+    """The main job reads the target profile for the device fit and for its budgets: one check times passes."""
+    from treegraft_dist.decoding import costs
+
+    target, _ = models
+    first = costs.latency_profile(target, "tiny-t", tmp_path)
+    timed = []
+    real = costs.forward_ms
+    monkeypatch.setattr(costs, "forward_ms", lambda *a, **k: timed.append(a[1]) or real(*a, **k))
+    assert costs.latency_profile(target, "tiny-t", tmp_path) == first and timed  # the first read checks it
+    done = len(timed)
+    assert costs.latency_profile(target, "tiny-t", tmp_path) == first and len(timed) == done  # the second does not

@@ -93,9 +93,18 @@ def prefilled(lm: CausalLM, past: int = PROFILE_PAST):
     return cache
 
 
+# Cached profiles (file, contents) this process has checked and kept: the main job reads one profile from
+# several places (the device fit's costs, the evaluation's budgets), and one check each is enough.
+_CHECKED: set[tuple[str, tuple]] = set()
+
+
 def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, drafting: bool = False) -> bool:
     """Whether the cached profile `cached` (ms by size) was measured while something else used the device:
-    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does. Says so when it was."""
+    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does. Says so when it was.
+    Checked once per process and contents."""
+    key = (str(path), tuple(sorted(cached.items())))
+    if key in _CHECKED:
+        return False
     cache = prefilled(lm)
     for block in check_sizes(cached):
         fresh = forward_ms(lm, block, repeats=2, cache=cache, drafting=drafting)
@@ -103,6 +112,7 @@ def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, draft
             print(f"treegraft: {path.name}: a {block}-token pass measured {cached[block]:.0f} ms there and "
                   f"{fresh:.0f} ms now: it was measured on a busy machine, measuring again", file=sys.stderr)
             return True
+    _CHECKED.add(key)
     return False
 
 
