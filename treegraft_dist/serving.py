@@ -1,6 +1,10 @@
 """The OpenAI-compatible API without the server: request bodies checked and turned into what the engine
 takes, token ids turned into text as it becomes final (stop strings included), response and stream-chunk
 bodies, errors in OpenAI's shape, and the Prometheus metrics. `jobs/serve.py` puts this behind Ray Serve.
+
+Every top-level field of a request body is either applied (`_APPLIED`), accepted only at a value that
+changes nothing (`_NEUTRAL`), or answered with a 400 `unsupported_parameter` that names it: nothing a
+client asks for is silently ignored.
 """
 
 from __future__ import annotations
@@ -17,11 +21,42 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from .decoding.sampling import SamplingParams
 from .decoding.stats import RequestStats
 
+# The largest request body read. The longest prompt a served context holds is far smaller: 128k tokens as
+# token ids ("151643," each) are about 1 MiB, and as text all escaped to \uXXXX about 3 MiB; anything
+# larger can only be an error or an attack, and is refused before it is parsed.
+MAX_BODY_BYTES = 4 << 20
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
-UNSUPPORTED = {  # parameter -> the values it may take here (anything else is a 400)
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+MAX_STOP_TOKEN_IDS = 64
+MAX_USER = 256  # characters of the end-user id; the server logs it
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # every integer parameter stays within these
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding, as vLLM has it (logits / 1e-40 overflow)
+
+# The parameters each endpoint applies, keyed by `chat`.
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+           "stop_token_ids", "seed", "method", "user")
+_APPLIED = {False: frozenset(_COMMON + ("prompt",)),
+            True: frozenset(_COMMON + ("messages", "max_completion_tokens"))}
+
+# Parameters of OpenAI's and vLLM's request schemas that this server does not implement, each with the
+# values at which it changes nothing (null, the default, always passes too); any other value is a 400.
+_NEUTRAL_BOTH = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "logit_bias": ({},), "min_tokens": (0,), "ignore_eos": (False,), "best_of": (1,),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "bad_words": ([],),
+    "response_format": ({"type": "text"},), "priority": (0,),
 }
+_NEUTRAL = {  # keyed by `chat`
+    # Completions' logprobs is a count, and 0 still asks for the chosen tokens' log-probabilities.
+    False: {**_NEUTRAL_BOTH, "logprobs": (), "echo": (False,), "suffix": ("",), "add_special_tokens": (True,)},
+    True: {**_NEUTRAL_BOTH, "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "tools": ([],),
+           "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+           "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},), "modalities": (["text"],),
+           "add_generation_prompt": (True,), "continue_final_message": (False,), "add_special_tokens": (False,),
+           "service_tier": ("auto", "default"), "audio": (), "prediction": (), "reasoning_effort": (),
+           "verbosity": (), "web_search_options": (), "prompt_cache_key": (), "safety_identifier": ()},
+}
+_STREAM_APPLIED, _STREAM_NEUTRAL = frozenset({"include_usage"}), {"continuous_usage_stats": (False,)}
 
 
 class ApiError(Exception):
@@ -41,8 +76,8 @@ class ApiError(Exception):
         return {} if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 @dataclass(frozen=True)
@@ -69,41 +104,59 @@ class ApiRequest:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    seed: int
+    seed: int  # within int64; torch's Generator.manual_seed wraps a negative seed into its unsigned range
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     method: str | None  # None: the server's default
+    stop_token_ids: tuple[int, ...] = ()  # end the completion as an end-of-sequence id does
+    user: str | None = None  # the client's id for its end user, for the server's logs
     id: str = ""
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
 
+def decode_body(raw: bytes, limit: int = MAX_BODY_BYTES):
+    """The JSON value of a request body: ApiError(413) beyond `limit` bytes, ApiError(400) when it is not
+    UTF-8 JSON (NaN and Infinity, which Python's json reads, included) or is nested too deeply to read."""
+    if len(raw) > limit:
+        raise ApiError(413, f"the request body is {len(raw)} bytes; this server reads at most {limit}: shorten "
+                       "the prompt", code="request_too_large")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON here: it is nested too deeply to read") from None
+    except ValueError as e:  # not UTF-8, not JSON, NaN, or an integer of more digits than Python reads
+        raise ApiError(400, f"the request body is not valid JSON: {_cut(str(e))}") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_request(body, chat: bool, model: ServedModel, tokenizer, check_method: Callable[[str], None]) -> ApiRequest:
     """`body` (the decoded JSON) checked against `model`; ApiError(400) says which parameter is wrong and
     why, ApiError(404) names an unknown model. `check_method(name)` raises ValueError for a method the
-    server cannot run."""
+    server cannot run. Any JSON value gives an ApiRequest or an ApiError, never another exception."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise ApiError(400, "'model' is required: the name GET /v1/models lists", "model")
     if name != model.name:
-        raise ApiError(404, f"the model {name!r} does not exist here; this server serves {model.name!r}", "model",
-                       "model_not_found")
-    for key, allowed in UNSUPPORTED.items():
-        if key in body and body[key] not in allowed:
-            raise ApiError(400, f"{key!r} is not supported by this server", key, "unsupported_parameter")
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError(400, f"'n' must be 1 (one completion per request), got {n!r}", "n")
+        raise ApiError(404, f"the model {_show(name)} does not exist here; this server serves {model.name!r}",
+                       "model", "model_not_found")
+    _check_fields(body, _APPLIED[chat], _NEUTRAL[chat])
+    n = body.get("n")
+    if n is not None and not (type(n) is int and n == 1):
+        raise ApiError(400, f"'n' must be 1 (one completion per request), got {_show(n)}", "n")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise ApiError(400, "'top_p' must be in (0, 1], got 0", "top_p")
-    top_k = _integer(body, "top_k", 0, -1)
-    seed = _integer(body, "seed", None, None)
+    top_k = max(_integer(body, "top_k", 0, -1, INT64_MAX), 0)  # -1 and 0: no top-k
+    seed = _integer(body, "seed", None, INT64_MIN, INT64_MAX)
     stream = _boolean(body, "stream", False)
     include_usage = False
     options = body.get("stream_options")
@@ -112,22 +165,27 @@ def parse_request(body, chat: bool, model: ServedModel, tokenizer, check_method:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
+        _check_fields(options, _STREAM_APPLIED, _STREAM_NEUTRAL, "stream_options")
         include_usage = _boolean(options, "include_usage", False, "stream_options.include_usage")
     stop = _stop(body.get("stop"))
+    stop_token_ids = _stop_token_ids(body.get("stop_token_ids"), len(tokenizer))
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER or not _unicode(user)):
+        raise ApiError(400, f"'user' must be text of at most {MAX_USER} characters, got {_show(user)}", "user")
     method = body.get("method")
     if method is not None:
-        if not isinstance(method, str) or not method:
+        if not isinstance(method, str) or not method or not _unicode(method):
             raise ApiError(400, "'method' must be a string: ar, treegraft, all-small, all-mid or a 0/1 pattern",
                            "method")
         try:
             check_method(method)
         except ValueError as e:
-            raise ApiError(400, f"'method': {e}", "method") from None
+            raise ApiError(400, f"'method': {_cut(str(e), 400)}", "method") from None
     prompt_ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     room = model.context - len(prompt_ids)
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     key = next((k for k in keys if body.get(k) is not None), keys[-1])
-    max_tokens = _integer(body, key, None, 1)
+    max_tokens = _integer(body, key, None, 1, INT64_MAX)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = "" if max_tokens is None else f" + {max_tokens} completion tokens"
         raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens){asked} exceeds the model's context of "
@@ -135,27 +193,58 @@ def parse_request(body, chat: bool, model: ServedModel, tokenizer, check_method:
                        key if room >= 1 else ("messages" if chat else "prompt"), "context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(model.default_max_tokens, room)
-    return ApiRequest(chat, prompt_ids, max_tokens, SamplingParams(temperature, max(top_k, 0), top_p),
-                      secrets.randbits(31) if seed is None else seed, stop, stream, include_usage, method)
+    sampling = SamplingParams(0.0 if temperature < GREEDY_BELOW else temperature, top_k, top_p)
+    return ApiRequest(chat, prompt_ids, max_tokens, sampling, secrets.randbits(31) if seed is None else seed, stop,
+                      stream, include_usage, method, stop_token_ids, user)
 
 
-def _number(body: dict, key: str, default, lo: float, hi: float) -> float:
+def _check_fields(body: dict, applied, neutral: dict, parent: str | None = None) -> None:
+    """Every field of `body` is applied, or neutral at a value that changes nothing; else a 400."""
+    for key, value in body.items():
+        if key in applied:
+            continue
+        label = key if parent is None else f"{parent}.{key}"
+        param = parent or _printable(key)
+        if key not in neutral:
+            raise ApiError(400, f"unknown parameter {_show(label)}: this server does not support it, remove it "
+                           f"(the parameters applied{'' if parent is None else ' in ' + repr(parent)} are "
+                           f"{', '.join(sorted(applied))})", param, "unsupported_parameter")
+        if value is not None and not any(_same(value, v) for v in neutral[key]):
+            values = " or ".join(json.dumps(v) for v in (None, *neutral[key]))
+            raise ApiError(400, f"{label!r} is not supported by this server: remove it, or set it to {values} "
+                           f"(got {_show(value)})", param, "unsupported_parameter")
+
+
+def _same(value, neutral) -> bool:
+    """Equality as JSON means it: true is not 1, 1 is 1.0."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ApiError(400, f"{key!r} must be a number in [{lo:g}, {hi:g}], got {value!r}", key)
+        raise ApiError(400, f"{key!r} must be a number in [{lo:g}, {hi:g}], got {_show(value)}", key)
     return float(value)
 
 
-def _integer(body: dict, key: str, default, lo: int | None) -> int | None:
+def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+    """An integer in [lo, hi] (an integral float such as 5.0 is not one, as in OpenAI's schema)."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
-        floor = "" if lo is None else f" >= {lo}"
-        raise ApiError(400, f"{key!r} must be an integer{floor}, got {value!r}", key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(400, f"{key!r} must be an integer in [{_bound(lo)}, {_bound(hi)}], got {_show(value)}", key)
     return value
+
+
+def _bound(n: int) -> str:
+    return {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1"}.get(n, str(n))
 
 
 def _boolean(body: dict, key: str, default: bool, param: str | None = None) -> bool:
@@ -163,7 +252,7 @@ def _boolean(body: dict, key: str, default: bool, param: str | None = None) -> b
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"{key!r} must be true or false, got {value!r}", param or key)
+        raise ApiError(400, f"{key!r} must be true or false, got {_show(value)}", param or key)
     return value
 
 
@@ -172,10 +261,20 @@ def _stop(value) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if (not isinstance(stops, list) or len(stops) > MAX_STOP
-            or not all(isinstance(s, str) and s for s in stops)):
+            or not all(isinstance(s, str) and s and _unicode(s) for s in stops)):
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them, got "
-                       f"{value!r}", "stop")
+                       f"{_show(value)}", "stop")
     return tuple(stops)
+
+
+def _stop_token_ids(value, vocab: int) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if (not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value)):
+        raise ApiError(400, f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids in "
+                       f"[0, {vocab}), got {_show(value)}", "stop_token_ids")
+    return tuple(value)
 
 
 def _prompt_ids(body: dict, tokenizer) -> list[int]:
@@ -185,12 +284,15 @@ def _prompt_ids(body: dict, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "'prompt' is empty: give the text to continue", "prompt")
+        if not _unicode(prompt):
+            raise ApiError(400, "'prompt' is not valid Unicode text (it holds a lone surrogate)", "prompt")
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = len(tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+            raise ApiError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}): "
+                           f"{', '.join(_show(t) for t in bad[:5])}", "prompt")
         return list(prompt)
     if prompt is None or prompt == [] or prompt == "":
         raise ApiError(400, "'prompt' is required and must not be empty", "prompt")
@@ -214,10 +316,43 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        if not _unicode(content):
+            raise ApiError(400, f"messages[{i}].content is not valid Unicode text (it holds a lone surrogate)",
+                           "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if not any(m["content"] for m in clean):
         raise ApiError(400, "'messages' holds no text", "messages")
     return list(tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _unicode(text: str) -> bool:
+    """False for a string JSON's \\ud800-style escapes made that is not text: a lone surrogate, which the
+    tokenizer and UTF-8 output cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    return text if _unicode(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _show(value) -> str:
+    """A value as an error message quotes it: short, and safe to send as UTF-8 whatever the client sent."""
+    if isinstance(value, str):
+        return _cut(repr(value))  # repr escapes lone surrogates
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return _cut(json.dumps(value))
+    except (RecursionError, ValueError, TypeError):  # nested too deeply, or an integer too long to print
+        return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class TextStream:
@@ -268,9 +403,9 @@ def speculation_details(stats: RequestStats | None, method: str | None = None) -
         return {}
     drafted = sum(max(0, s - 1) for s in stats.tree_sizes)
     accepted = sum(max(0, a - 1) for a in stats.accepted)
-    return {"method": method or stats.method, "schedule": stats.method, "rounds": stats.rounds, "mean_accepted_tokens": round(stats.mean_accepted, 4),
-            "draft_tokens": drafted, "accepted_draft_tokens": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+    return {"method": method or stats.method, "schedule": stats.method, "rounds": stats.rounds,
+            "mean_accepted_tokens": round(stats.mean_accepted, 4), "draft_tokens": drafted,
+            "accepted_draft_tokens": accepted, "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
             "middle_calls": int(sum(stats.middle_calls)), "wall_s": round(stats.wall_s, 4)}
 
 
