@@ -8,6 +8,11 @@ pass (`TargetBatcher`), with trees sized for the load (`sizing.LoadBudget`) and 
 their KV caches fit. Within a request, the middle drafter catches up on the newly accepted tokens (`prefetch`)
 while the round's first n-gram steps run. The rounds are the engine's own loop (`speculate`, `draft_tree`),
 driven through drafter proxies; the scheduler runs here, next to the tree it reads.
+
+A request's input is checked here before any target work (ValueError); its faults stay with it
+(RequestFailed); every wait it makes is bounded (admission: QueueTimeout; the target: EngineUnavailable);
+while the target group is rebuilt a new request is turned away at once (TargetGroupError). `health()`
+answers from counters alone, whatever the requests are doing.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -32,6 +38,7 @@ from treegraft_dist.decoding.engine import (
     start_drafters,
     truncate,
 )
+from treegraft_dist.decoding.errors import QueueTimeout
 from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import SchedulePolicy
@@ -43,7 +50,9 @@ from treegraft_dist.decoding.verify import Verdict
 
 from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, RemoteDrafter, RoundDrafter, RoundSpec
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
-from .target import TargetBatcher, TargetGroup
+from .target import READY, TargetBatcher, TargetGroup
+
+QUEUE_RETRY_AFTER_S = 5.0  # what a request turned away from a full queue is told to wait
 
 
 class Coordinator:
@@ -55,13 +64,17 @@ class Coordinator:
         self._timings = timings
         self._timings_lock = threading.Lock()
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # request bookkeeping only: never held across a remote call
+        self._measuring = threading.Lock()  # one thread measures the pass costs, the others wait for it
         self._progress: dict[int, int] = {}
         self._cancels: dict[str, threading.Event] = {}
         self.batcher: TargetBatcher | None = None
         self._kv = threading.Condition()  # admission: KV cache tokens reserved by the requests admitted
         self._kv_used = self._kv_capacity = 0
-        self._active = 0
+        self._active = 0  # requests admitted and running
+        self._queued = 0  # requests waiting for admission
+        self._vocab = 0  # prompt ids must be below it; learnt from the target at start
+        self._started = False
         self._load_budget: LoadBudget | None = None
         self._drafting_ms: dict[str, dict] = {}  # method -> {"ms": drafting time a round, a running mean}
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
@@ -75,11 +88,17 @@ class Coordinator:
         if self.middle_path is not None:
             self.middle_host = self._spawn_middle()
         self.target.build()
-        self.batcher = TargetBatcher(self.target, self.res.max_batch_rows, self.res.prefill_chunk)
-        per_token, free = self.target.call(self.target.wait_ready(), "kv_capacity", check=False)
+        # An answer waits for the pass in flight and then its own, each bounded by dist_timeout_s (_gather).
+        self.batcher = TargetBatcher(self.target, self.res.max_batch_rows, self.res.prefill_chunk,
+                                     2 * self.res.dist_timeout_s)
+        gen = self.target.wait_ready()
+        per_token, free = self.target.call(gen, "kv_capacity", check=False)
         budget = free if self.res.kv_cache_gb is None else self.res.kv_cache_gb * 1e9
         self._kv_capacity = int(budget // per_token)  # tokens
-        ray.get([h.ready.remote() for h in (self.ngram_host, self.middle_host) if h is not None])
+        self._vocab = self.target.call(gen, "vocab_size")
+        ray.get([h.ready.remote() for h in (self.ngram_host, self.middle_host) if h is not None],
+                timeout=self.res.load_timeout_s)
+        self._started = True
 
     def shutdown(self) -> None:
         if self.batcher is not None:
@@ -120,6 +139,20 @@ class Coordinator:
 
     # -- introspection (tests, fault drills) ----------------------------------------------------------
     @ray.method(concurrency_group="control")
+    def health(self) -> dict:
+        """{"state": "starting" | "ready" | "rebuilding" | "failed", "rebuilds": lost-rank rebuilds of the target
+        group, "running": requests admitted and running, "waiting": requests waiting for admission,
+        "kv_used_tokens", "kv_capacity_tokens": KV cache reserved and held, in tokens (a request reserves
+        twice its length: a pass holds a working copy of its cache), "batcher_restarts"}. Read from counters
+        alone: no lock a request may hold, no remote call."""
+        state = self.target.state
+        batcher = self.batcher
+        return {"state": state if self._started or state != READY else "starting", "rebuilds": self.target.rebuilds,
+                "running": self._active, "waiting": self._queued, "kv_used_tokens": self._kv_used,
+                "kv_capacity_tokens": self._kv_capacity,
+                "batcher_restarts": 0 if batcher is None else batcher.restarts}
+
+    @ray.method(concurrency_group="control")
     def progress(self) -> dict[int, int]:
         """Tokens generated so far by each request in flight."""
         return dict(self._progress)
@@ -154,7 +187,8 @@ class Coordinator:
                 if self._timings is None:
                     gen = self.target.wait_ready()
                     t_tgt = self.target.call(gen, "forward_ms", self.cfg.budget, check=False)
-                    t_mid = ray.get(self.middle_host.forward_ms.remote(self.cfg.budget)) if self.middle_host else 1.0
+                    t_mid = (ray.get(self.middle_host.forward_ms.remote(self.cfg.budget),
+                                     timeout=self.res.load_timeout_s) if self.middle_host else 1.0)
                     self._timings = Timings(t_tgt, t_mid)
         return self._timings
 
@@ -172,7 +206,7 @@ class Coordinator:
         """One request as a Ray streaming generator: {"tokens": [new ids]} as rounds accept them (cut as
         `generate` cuts them), then {"stats": RequestStats}. `cancel(key)` (or the caller dropping the
         stream) ends the request after the round in flight, with the stats of what it generated."""
-        check_request(prompt, max_new_tokens)
+        self._check(prompt, max_new_tokens, seed, sampling)
         updates: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             cancelled = self._cancels[key] = threading.Event()
@@ -191,7 +225,7 @@ class Coordinator:
 
         def run() -> None:
             try:
-                updates.put(self._run(prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens))
+                updates.put(self._run(prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens, cancelled))
             except BaseException as e:  # handed to the generator, which raises it to the caller
                 updates.put(e)
 
@@ -212,8 +246,8 @@ class Coordinator:
 
     @ray.method(concurrency_group="control")
     def cancel(self, key: str) -> bool:
-        """Stop the streamed request `key` after its round in flight (or before its first, when it has not
-        started yet); False when it is not running."""
+        """Stop the streamed request `key` after its round in flight (or before any target work, when it has
+        not been admitted yet); False when it is not running."""
         with self._lock:
             event = self._cancels.get(key)
             if event is None:
@@ -222,12 +256,24 @@ class Coordinator:
                     self._cancelled_early.pop(next(iter(self._cancelled_early)))
                 return False
         event.set()
+        with self._kv:  # a request waiting for admission leaves the queue
+            self._kv.notify_all()
         return True
 
-    def _run(self, prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens=None) -> Generation:
-        check_request(prompt, max_new_tokens)
+    def _check(self, prompt, max_new_tokens, seed, sampling) -> None:
+        """ValueError for input the target cannot run (engine.check_request, against the target's vocabulary)."""
+        check_request(prompt, max_new_tokens, seed, self._vocab or None, sampling)
+
+    def _run(self, prompt, max_new_tokens, method, eos_ids, seed, sampling, on_tokens=None,
+             cancelled: threading.Event | None = None) -> Generation:
+        """One request: checked, admitted, run. A request cancelled before it is admitted (or as it is)
+        never reaches the target: its Generation is empty."""
+        self._check(prompt, max_new_tokens, seed, sampling)
         policy = None if method == AR_METHOD else self.resolve_policy(method)
-        tokens = self._admit(len(prompt) + max_new_tokens + self.cfg.max_tree_depth + 1)
+        self.target.wait_ready()  # TargetGroupError at once while the group is rebuilt: the queue is no place to wait
+        tokens = self._admit(len(prompt) + max_new_tokens + self.cfg.max_tree_depth + 1, cancelled)
+        if tokens is None:
+            return self._nothing(policy, prompt, max_new_tokens, eos_ids)
         rid = next(self._ids)
         self._progress[rid] = 0
 
@@ -237,6 +283,8 @@ class Coordinator:
 
         gen = None
         try:
+            if cancelled is not None and cancelled.is_set():
+                return self._nothing(policy, prompt, max_new_tokens, eos_ids)
             gen = self.target.wait_ready()
             if policy is None:
                 return self._generate_ar(rid, gen, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
@@ -252,16 +300,39 @@ class Coordinator:
                 self._active -= 1
                 self._kv.notify_all()
 
-    def _admit(self, tokens: int) -> int:
+    @staticmethod
+    def _nothing(policy, prompt, max_new_tokens, eos_ids) -> Generation:
+        """The Generation of a request cancelled before any target work."""
+        stats = RequestStats(AR_METHOD if policy is None else policy.name, prompt_tokens=len(prompt))
+        return finish([], stats, PhaseTimer(stats), max_new_tokens, set(eos_ids))
+
+    def _admit(self, tokens: int, cancelled: threading.Event | None = None) -> int | None:
         """Wait until a request's KV cache fits beside those admitted; a pass holds a working copy of every
-        cache in it, so each counts twice. ValueError when it could never fit."""
+        cache in it, so each counts twice. Returns the tokens reserved, or None when `cancelled` was set
+        first. ValueError when it could never fit; QueueTimeout after Resources.queue_timeout_s."""
         need = 2 * tokens
         if need > self._kv_capacity:
             raise ValueError(f"the request needs a KV cache of {tokens} tokens (prompt + max_new_tokens + the draft "
                              f"tree), more than the engine holds ({self._kv_capacity // 2} tokens): shorten the "
                              "prompt or ask for fewer tokens")
+        bound = self.res.queue_timeout_s
+        deadline = None if bound is None else time.monotonic() + bound
         with self._kv:
-            self._kv.wait_for(lambda: self._kv_used + need <= self._kv_capacity)
+            self._queued += 1
+            try:
+                while True:
+                    if cancelled is not None and cancelled.is_set():
+                        return None
+                    if self._kv_used + need <= self._kv_capacity:
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise QueueTimeout(f"no room for the request's KV cache ({tokens} tokens) within {bound:g} s: "
+                                           f"{self._active} requests hold the engine's {self._kv_capacity // 2} "
+                                           "tokens; try again later", retry_after=QUEUE_RETRY_AFTER_S)
+                    self._kv.wait(left)
+            finally:
+                self._queued -= 1
             self._kv_used += need
             self._active += 1
         return need
@@ -278,11 +349,12 @@ class Coordinator:
         spent[0] = now
         if self._active <= 1 and self._load_budget is None:
             return cfg.budget
-        with self._lock:
-            if self._load_budget is None:  # measured once, when passes are first shared
-                sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(2, self.res.max_batch_rows)]
-                costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
-                self._load_budget = LoadBudget(cfg.budget, costs)
+        if self._load_budget is None:
+            with self._measuring:  # measured once, when passes are first shared; not under self._lock
+                if self._load_budget is None:
+                    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(2, self.res.max_batch_rows)]
+                    costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
+                    self._load_budget = LoadBudget(cfg.budget, costs)
         lb = self._load_budget
         with self._lock:
             while self.batcher.unread:  # what passes really cost, shared as they are
@@ -308,14 +380,16 @@ class Coordinator:
                 with timer.phase("prefill"):
                     first, prefill = self.batcher.prefill(gen, rid, prompt, seed, True, sampling)
                 rounds = RoundSpec(cfg, policy, context)
-                ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds),
+                # A drafter call waits at most as long as a (restarted) host may take to load its model.
+                bound = self.res.load_timeout_s
+                ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds, bound),
                                         NGramDrafter.from_config(cfg), self._ngram_died, mirror=True)
                 drafters.append(ngram)
                 middle = None
                 pattern = getattr(policy, "pattern", None)  # fixed schedules: known in advance
                 if self.middle_host is not None and (pattern is None or "1" in pattern):
-                    middle = FallbackDrafter(RemoteDrafter(self.middle_host, rid, ORIGIN_MIDDLE), ngram,
-                                             self._middle_died, prefetch=self.res.middle_prefetch
+                    middle = FallbackDrafter(RemoteDrafter(self.middle_host, rid, ORIGIN_MIDDLE, timeout_s=bound),
+                                             ngram, self._middle_died, prefetch=self.res.middle_prefetch
                                              and (pattern is None or pattern[0] == "0"))
                     drafters.append(middle)
                 prefetch = middle is not None and middle.prefetch

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import forward_ms
@@ -120,19 +120,22 @@ class DrafterHost:
 
 class RemoteDrafter:
     """Client side of one request on a DrafterHost: `step` waits for the proposal, `start`, `accept`
-    and `prefetch` only enqueue (actor calls from one caller run in order, so the next step sees them)."""
+    and `prefetch` only enqueue (actor calls from one caller run in order, so the next step sees them).
+    A wait longer than `timeout_s` raises GetTimeoutError, which its FallbackDrafter takes as the actor's
+    death (a stuck actor is replaced as a dead one is)."""
 
-    def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None):
+    def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None, timeout_s: float | None = None):
         self.host = host
         self.rid = rid
         self.origin = origin
         self.rounds = rounds
+        self.timeout_s = timeout_s
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.host.start.remote(self.rid, prompt, prefill, self.rounds)
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
-        return ray.get(self.host.step.remote(self.rid, tree, frontier, layer))
+        return ray.get(self.host.step.remote(self.rid, tree, frontier, layer), timeout=self.timeout_s)
 
     def accept(self, path: list[int], tokens: list[int]) -> None:
         self.host.accept.remote(self.rid, path, tokens)
@@ -174,7 +177,7 @@ class FallbackDrafter:
         if self.alive:
             try:
                 return self.remote.step(tree, frontier, layer)
-            except RayActorError as e:
+            except (RayActorError, GetTimeoutError) as e:
                 self.died(e)
         self.fallback_steps += 1
         return self.fallback.step(tree, frontier, layer)
@@ -226,9 +229,10 @@ class RoundDrafter:
                 try:
                     with self.timer.phase("ngram"):
                         drafted, wanted = ray.get(self.ngram.remote.host.draft.remote(
-                            self.ngram.remote.rid, state, budgets, self._live_middle() is not None))
+                            self.ngram.remote.rid, state, budgets, self._live_middle() is not None),
+                            timeout=self.ngram.remote.timeout_s)
                     state = drafted.own()
-                except RayActorError as e:
+                except (RayActorError, GetTimeoutError) as e:
                     self.ngram.died(e)  # the state sent is untouched here: draft on from it
             else:  # the middle drafter's layer, then the next decisions here if the policy allows
                 with self.timer.phase("middle"):

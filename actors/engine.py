@@ -15,6 +15,10 @@ from treegraft_dist.models.loading import load_config
 from .coordinator import Coordinator
 from .resources import COORDINATOR_BUNDLE, Resources, reserve
 
+# What health() answers for a coordinator that is gone or does not answer.
+DEAD = {"state": "dead", "rebuilds": 0, "running": 0, "waiting": 0, "kv_used_tokens": 0, "kv_capacity_tokens": 0,
+        "batcher_restarts": 0}
+
 
 class DistributedEngine:
     """TreeGraft over Ray actors, with the output of the single-process `Decoder`.
@@ -37,9 +41,9 @@ class DistributedEngine:
         self.pg = reserve(resources.control_bundles(with_middle=middle is not None), "PACK",
                           "coordinator and drafters", resources.placement_timeout_s)
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=COORDINATOR_BUNDLE)
-        # Threads: one per request in flight; progress(), actors() and cancel() have their own, so they
-        # answer while every request thread is busy.
-        self.coordinator = ray.remote(concurrency_groups={"control": 2})(Coordinator).options(
+        # Threads: one per request in flight; health(), progress(), actors(), cancel() and the other
+        # introspection calls have their own, so they answer while every request thread is busy.
+        self.coordinator = ray.remote(concurrency_groups={"control": 4})(Coordinator).options(
             num_cpus=resources.coordinator_cpus, max_concurrency=resources.max_requests, max_restarts=0,
             scheduling_strategy=strategy,
         ).remote(target, middle, tree, sampling, resources, dtype, self.pg, timings)
@@ -82,6 +86,17 @@ class DistributedEngine:
         refs = [self.submit(p, max_new_tokens, method, eos_ids, seed) for p in prompts]
         return [self.result(r) for r in refs]
 
+    def health(self, timeout_s: float = 5.0) -> dict:
+        """Never raises: {"state": "ready" | "starting" | "rebuilding" | "failed" | "dead", "rebuilds": target
+        group rebuilds after a lost worker, "running": requests admitted and running, "waiting": requests
+        waiting for admission, "kv_used_tokens", "kv_capacity_tokens": KV cache reserved and held, in tokens,
+        "batcher_restarts"}. "failed": the target group could not be rebuilt (each new request starts
+        another attempt); "dead": the coordinator is gone or gave no answer within `timeout_s`."""
+        try:
+            return ray.get(self.coordinator.health.remote(), timeout=timeout_s)
+        except Exception:  # a dead or stuck coordinator, or none (shut down)
+            return dict(DEAD)
+
     def progress(self) -> dict[int, int]:
         """Tokens generated so far by each request in flight."""
         return ray.get(self.coordinator.progress.remote())
@@ -121,8 +136,8 @@ class DistributedEngine:
 
 
 def _get(ref):
-    """ray.get, raising the coordinator's own exception (ValueError, PlacementError, TargetGroupError)
-    rather than Ray's wrapper around it."""
+    """ray.get, raising the coordinator's own exception (ValueError, PlacementError, RequestFailed,
+    EngineUnavailable and its kinds QueueTimeout and TargetGroupError) rather than Ray's wrapper around it."""
     try:
         return ray.get(ref)
     except RayTaskError as e:

@@ -30,7 +30,8 @@ class Resources:
     the coordinator runs at once; their target work is batched into passes of up to max_batch_rows rows
     (prompts in chunks of prefill_chunk tokens), and with adapt_budget each round's tree shrinks as more
     requests share a pass (sizing.LoadBudget). kv_cache_gb bounds the KV caches of the requests admitted
-    (None: measured on the target ranks after loading); a request waits until its cache fits.
+    (None: measured on the target ranks after loading); a request waits until its cache fits, at most
+    queue_timeout_s (None: no bound), then fails with QueueTimeout.
     middle_prefetch: the middle drafter catches up on the accepted tokens while the round's first n-gram
     steps run (schedules that do not call it at layer 0), instead of inside its next call. Timeouts: placement_timeout_s for a placement group to be granted,
     dist_timeout_s for the torch.distributed rendezvous and any collective, load_timeout_s for the ranks to
@@ -50,6 +51,7 @@ class Resources:
     prefill_chunk: int = 256
     adapt_budget: bool = True
     kv_cache_gb: float | None = None
+    queue_timeout_s: float | None = 60.0
     middle_prefetch: bool = True
     placement_timeout_s: float = 30.0
     dist_timeout_s: float = 120.0

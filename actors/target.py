@@ -5,11 +5,16 @@ parallelism (`DistributedConfig(tp_size=...)`; `tp_plan="auto"` on releases with
 Every rank runs the same forward on the same inputs: the group sends one request's prompt or pruned
 tree to all ranks, and rank 0's result is returned (the others' are checked to agree). Each rank keeps
 its shard of every request's KV cache; only token ids and trees cross the wire.
+
+Faults: one request's bad work fails that request alone (batch.BatchedTarget answers it with ItemFailed);
+an exception a live worker raises fails only the call it raised in; only a rank that is gone (dead, silent
+past dist_timeout_s, a broken collective, shards out of step) makes the group rebuild.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -18,11 +23,12 @@ from datetime import timedelta
 import psutil
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treegraft_dist.decoding.batch import PREFILL, STEP, VERIFY, BatchedTarget, Work, take_pass
+from treegraft_dist.decoding.batch import PREFILL, STEP, VERIFY, BatchedTarget, ItemFailed, Work, take_pass
 from treegraft_dist.decoding.costs import PROFILE_PAST, forward_ms, prefilled
+from treegraft_dist.decoding.errors import EngineUnavailable, RequestFailed
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.tree import DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -31,9 +37,15 @@ from treegraft_dist.models.loading import check_supported, load_config, load_mod
 
 from .resources import Resources, reserve
 
+log = logging.getLogger(__name__)
 
-class TargetGroupError(RuntimeError):
-    """A target worker died or failed mid-request; the request is lost, the group is being rebuilt."""
+# TargetGroup.state
+STARTING, READY, REBUILDING, FAILED = "starting", "ready", "rebuilding", "failed"
+
+
+class TargetGroupError(EngineUnavailable):
+    """The target group lost a rank (the requests in flight on it are lost) or is being rebuilt, or could
+    not be: the request can be sent again once the group is ready."""
 
 
 def load_sharded(path: str, tp: int, device: str, dtype: str) -> CausalLM:
@@ -97,6 +109,10 @@ class TargetWorker:
             out = [(r[0], None) if isinstance(r, tuple) else r for r in out]
         return out
 
+    def vocab_size(self) -> int:
+        """Token ids the model takes: [0, vocab_size)."""
+        return self.batch.vocab
+
     def passes(self) -> tuple[int, int]:
         """(forward passes, work items they held) so far."""
         return self.batch.passes, self.batch.items
@@ -128,26 +144,33 @@ class TargetWorker:
 
 class TargetGroup:
     """Client side of the worker group (lives in the coordinator): builds it, broadcasts each call to
-    every rank, and on a worker failure kills the group, fails the calls in flight and rebuilds it.
+    every rank, and when a rank is lost kills the group, fails the calls in flight and rebuilds it.
 
     Calls to all ranks are submitted under one lock, so every rank sees the same order of calls (their
-    collectives must match) even when several requests run at once.
+    collectives must match) even when several requests run at once. `state` is STARTING until the first
+    build, READY, REBUILDING after a lost rank, FAILED when a rebuild failed (the next request that finds it
+    so starts another attempt); `rebuilds` counts the lost-rank rebuilds.
     """
 
     def __init__(self, path: str, resources: Resources, sampling: SamplingParams, dtype: str):
         self.path, self.res, self.sampling, self.dtype = path, resources, sampling, dtype
         self.generation = 0  # bumped by every rebuild: a request's KV cache lives in one generation
+        self.rebuilds = 0
+        self.state = STARTING
         self.workers: list = []
         self.pg = None
         self._submit = threading.Lock()
         self._build = threading.Lock()
         self._ready = threading.Event()
-        self._error: Exception | None = None
+        self._error: Exception | None = None  # why the last rebuild failed
+        self._closed = False
 
     # -- lifetime -------------------------------------------------------------------------------------
     def build(self) -> None:
         """Reserve the GPUs (PlacementError if the cluster cannot), start the ranks, load the shards."""
         with self._build:
+            if self._closed:
+                raise TargetGroupError("the engine is shutting down")
             if self.workers:  # another request rebuilt it meanwhile
                 return
             self.pg = reserve(self.res.target_bundles(), "STRICT_PACK", f"target group (tp={self.res.tp})",
@@ -168,10 +191,12 @@ class TargetGroup:
                 self._teardown()
                 raise
             self._error = None
+            self.state = READY
             self._ready.set()
 
     def shutdown(self) -> None:
         with self._build:
+            self._closed = True
             self._ready.clear()
             self._teardown()
 
@@ -184,35 +209,53 @@ class TargetGroup:
             self.pg = None
 
     def _rebuild(self, generation: int) -> None:
-        """Replace a broken group, once per broken generation (the first failing call does it)."""
+        """Replace a group that lost a rank, once per broken generation (the first failing call does it)."""
         with self._submit:
-            if generation != self.generation:
+            if generation != self.generation or self.state != READY or self._closed:
                 return
             self.generation += 1
+            self.rebuilds += 1
+            self.state = REBUILDING
             self._ready.clear()
-        with self._build:
-            self._teardown()
-        try:
-            self.build()
-        except Exception as e:  # the next request reports it
-            self._error = e
-            self._ready.set()
+        self._restart()
 
-    def wait_ready(self) -> int:
-        """Block until the group is usable (retrying a rebuild that failed); returns its generation."""
-        self._ready.wait()
-        if self._error is not None:
-            try:
-                self.build()
-            except Exception as e:
-                raise TargetGroupError(f"the target group cannot be rebuilt: {e}") from e
-        return self.generation
+    def _restart(self) -> None:
+        try:
+            with self._build:
+                self._teardown()
+            self.build()
+        except Exception as e:  # FAILED: the next request that finds it so tries again
+            log.error("the target group could not be rebuilt: %s: %s", type(e).__name__, e)
+            self._error = e
+            self.state = FAILED
+
+    def wait_ready(self, timeout_s: float = 0.0) -> int:
+        """The group's generation once it is usable, waiting at most `timeout_s` (by default not at all: a
+        request is not held while the group is rebuilt); TargetGroupError when it is not usable by then.
+        A group whose rebuild failed starts another attempt in the background."""
+        if self._ready.wait(timeout_s):
+            return self.generation
+        if self._closed:
+            raise TargetGroupError("the engine is shutting down")
+        if self.state == FAILED:
+            error = self._error
+            with self._submit:
+                retry = self.state == FAILED and not self._closed
+                if retry:
+                    self.state = REBUILDING
+            if retry:
+                threading.Thread(target=self._restart, name="target-rebuild", daemon=True).start()
+            raise TargetGroupError(f"the target group (tp={self.res.tp}) could not be rebuilt ({type(error).__name__}: "
+                                   f"{error}); another attempt is under way: try again later", retry_after=30.0)
+        raise TargetGroupError(f"the target group (tp={self.res.tp}) is {self.state}, after a lost worker or at "
+                               "start: try again in a few seconds")
 
     # -- calls ----------------------------------------------------------------------------------------
     def call(self, generation: int, method: str, *args, check: bool = True):
-        """Run `method(*args)` on every rank; rank 0's result (with `check`, every rank's must agree).
-        Raises TargetGroupError when a rank fails, or when the group was rebuilt since `generation`
-        (the request's KV cache is gone)."""
+        """Run `method(*args)` on every rank; rank 0's result (with `check`, the ranks' answers reconciled:
+        `_reconcile`). TargetGroupError when the group was rebuilt since `generation` (the request's KV
+        cache is gone) or a rank is lost now (the group is rebuilt); RequestFailed when the method raised
+        on every rank alike (a live worker's own exception: nothing is rebuilt)."""
         with self._submit:
             if generation != self.generation or not self._ready.is_set():
                 raise TargetGroupError("the target group was rebuilt after a worker failure while this request "
@@ -221,15 +264,33 @@ class TargetGroup:
         try:
             results = _gather(refs, self.res.dist_timeout_s)
         except RayError as e:
-            threading.Thread(target=self._rebuild, args=(generation,), daemon=True).start()
+            raise self._lost(generation, method, e) from e
+        raised = [r for r in results if isinstance(r, RayTaskError)]
+        if raised:
+            if len(raised) < len(results) or any(isinstance(e.cause, torch.distributed.DistError) for e in raised):
+                # One rank raised where others went on, or a collective broke: the ranks are out of step.
+                raise self._lost(generation, method, raised[0]) from raised[0]
+            cause = raised[0].cause if raised[0].cause is not None else raised[0]
+            raise RequestFailed(f"the target failed during {method} ({type(cause).__name__}: {_first_line(cause)}); "
+                                "the requests of that call are lost, the engine goes on") from raised[0]
+        if not check:
+            return results[0]
+        try:
+            return _reconcile(results)
+        except _OutOfStep as e:
+            raise self._lost(generation, method, e) from None
+
+    def _lost(self, generation: int, method: str, e: Exception) -> TargetGroupError:
+        """Start the rebuild of a group that lost a rank; the error the calls in flight get."""
+        threading.Thread(target=self._rebuild, args=(generation,), name="target-rebuild", daemon=True).start()
+        if isinstance(e, _OutOfStep):
+            what = f"target ranks disagree on {method}: {e}; their shards are out of step"
+        else:
             cause = "died" if isinstance(e, RayActorError) else "failed"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise TargetGroupError(f"a target worker {cause} during {method} ({type(e).__name__}: {first}); the "
-                                   f"request is lost and the target group (tp={self.res.tp}) is being rebuilt: "
-                                   "submit it again") from e
-        if check and any(_agreed(r) != _agreed(results[0]) for r in results[1:]):
-            raise TargetGroupError(f"target ranks disagree on {method}: {results}; their shards are out of step")
-        return results[0]
+            shown = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e  # not Ray's wrapper
+            what = f"a target worker {cause} during {method} ({type(shown).__name__}: {_first_line(shown)})"
+        return TargetGroupError(f"{what}; the request is lost and the target group (tp={self.res.tp}) is being "
+                                "rebuilt: submit it again")
 
     def release(self, generation: int, rid: int) -> None:
         with self._submit:
@@ -238,17 +299,54 @@ class TargetGroup:
                     w.release.remote(rid)
 
 
+class _OutOfStep(Exception):
+    """The ranks' answers to one call differ where they must agree."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _gather(refs: list, timeout_s: float) -> list:
-    """Results of `refs` in order; raises as soon as any of them fails, since a rank blocked in a
-    collective with a dead peer may otherwise never return."""
+    """Every rank's answer in order, or the RayTaskError a rank raised (its process is alive). Any other
+    Ray error (a rank that is gone) raises at once, and GetTimeoutError when the ranks have not all
+    answered within `timeout_s`: a rank blocked in a collective with a dead peer may never return."""
+    deadline = time.monotonic() + timeout_s
     done = {}
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise GetTimeoutError(f"{len(pending)} target ranks gave no answer within {timeout_s:g} s")
-        done[ready[0]] = ray.get(ready[0])
+        try:
+            done[ready[0]] = ray.get(ready[0])
+        except RayTaskError as e:
+            if isinstance(e, RayActorError):
+                raise
+            done[ready[0]] = e
     return [done[r] for r in refs]
+
+
+def _reconcile(results: list):
+    """Rank 0's answer once every rank's agrees with it. A pass's items are compared one by one: an item
+    that failed on any rank is answered with that failure (its request ends, so its cache shards need not
+    agree); any other difference means the ranks' shards are out of step (_OutOfStep)."""
+    first = results[0]
+    if not isinstance(first, list):
+        if any(_agreed(r) != _agreed(first) for r in results[1:]):
+            raise _OutOfStep(str(results))
+        return first
+    if any(not isinstance(r, list) or len(r) != len(first) for r in results[1:]):
+        raise _OutOfStep(f"answers of different lengths: {results}")
+    out = list(first)
+    for i, column in enumerate(zip(*results)):
+        failed = next((x for x in column if isinstance(x, ItemFailed)), None)
+        if failed is not None:
+            out[i] = failed
+        elif any(_agreed(x) != _agreed(column[0]) for x in column[1:]):
+            raise _OutOfStep(f"item {i}: {column}")
+    return out
 
 
 def _agreed(result):
@@ -267,16 +365,23 @@ class TargetBatcher:
     trees of concurrent requests are verified together. A pass takes the oldest item, then rounds before
     prompt chunks, up to `max_rows` rows (`batch.take_pass`); a prompt goes in chunks of `prefill_chunk`
     tokens, so a long prefill shares passes with other requests' rounds instead of stalling them.
+
+    Every wait is bounded: a request waits at most `answer_timeout_s` for an answer (then EngineUnavailable),
+    and the batching thread is supervised: should its loop die of an unexpected exception, every request
+    waiting on it fails with EngineUnavailable and the loop starts again (`restarts` counts it).
     """
 
-    def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int):
+    def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int, answer_timeout_s: float):
         self.group, self.max_rows, self.prefill_chunk = group, max_rows, prefill_chunk
+        self.answer_timeout_s = answer_timeout_s
+        self.restarts = 0
         self._waiting: list[tuple[int, Work, _Answer]] = []
+        self._in_pass: list[tuple[int, Work, _Answer]] = []
         self._wake = threading.Condition()
         self._closed = False
         self.recent: collections.deque = collections.deque(maxlen=256)  # (rows, milliseconds) of recent passes
         self.unread: collections.deque = collections.deque(maxlen=256)  # the same, for one reader (the sizing)
-        threading.Thread(target=self._loop, name="target-batcher", daemon=True).start()
+        threading.Thread(target=self._supervise, name="target-batcher", daemon=True).start()
 
     # -- what request threads call --------------------------------------------------------------------
     def prefill(self, generation: int, rid: int, prompt: list[int], seed: int, want_prefill_cache: bool,
@@ -296,11 +401,20 @@ class TargetBatcher:
         return self.submit(generation, Work(STEP, rid, token=token))
 
     def submit(self, generation: int, work: Work):
-        answer = _Answer()
+        """The answer to `work`: what BatchedTarget.run gives for it, or the exception its request raises
+        (ValueError, RequestFailed, EngineUnavailable)."""
+        entry = (generation, work, _Answer())
         with self._wake:
-            self._waiting.append((generation, work, answer))
+            if self._closed:
+                raise TargetGroupError("the engine is shutting down")
+            self._waiting.append(entry)
             self._wake.notify()
-        return answer.get()
+        try:
+            return entry[2].get(self.answer_timeout_s)
+        finally:
+            if not entry[2].done:  # given up on: a pass must not run it after its request ended
+                with self._wake:
+                    self._waiting = [e for e in self._waiting if e is not entry]
 
     def close(self) -> None:
         with self._wake:
@@ -308,6 +422,22 @@ class TargetBatcher:
             self._wake.notify()
 
     # -- the batching thread --------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as e:
+                log.exception("the target batcher failed; failing the requests waiting on it and restarting")
+                error = EngineUnavailable(f"the target batcher failed ({type(e).__name__}: {e}) and was restarted; "
+                                          "this request's work was lost: submit it again", retry_after=1.0)
+                with self._wake:
+                    lost, self._waiting, self._in_pass = self._in_pass + self._waiting, [], []
+                    self.restarts += 1
+                for _, _, answer in lost:
+                    answer.fail(error)
+                time.sleep(0.05)  # a loop that keeps failing does not spin
+
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -316,21 +446,30 @@ class TargetBatcher:
                 if self._closed:
                     for _, _, answer in self._waiting:
                         answer.fail(TargetGroupError("the engine is shutting down"))
+                    self._waiting = []
                     return
-                batch = self._take()
-            generation = batch[0][0]
-            started = time.perf_counter()
-            try:
-                results = self.group.call(generation, "run", [w for _, w, _ in batch])
-            except Exception as e:  # every request in the pass gets the group's error
-                for _, _, answer in batch:
-                    answer.fail(e)
+                self._in_pass = batch = self._take()
+            self._run(batch)
+            self._in_pass = []
+
+    def _run(self, batch: list) -> None:
+        """One pass: every answer set, with its item's result or its request's error."""
+        generation = batch[0][0]
+        started = time.perf_counter()
+        try:
+            results = self.group.call(generation, "run", [w for _, w, _ in batch])
+        except Exception as e:  # every request in the pass gets the group's error
+            for _, _, answer in batch:
+                answer.fail(e)
+            return
+        timed = (sum(w.rows for _, w, _ in batch), 1e3 * (time.perf_counter() - started))
+        self.recent.append(timed)
+        self.unread.append(timed)
+        for (_, _, answer), result in zip(batch, results, strict=True):
+            if isinstance(result, ItemFailed):
+                answer.fail(result.error())
             else:
-                timed = (sum(w.rows for _, w, _ in batch), 1e3 * (time.perf_counter() - started))
-                self.recent.append(timed)
-                self.unread.append(timed)
-                for (_, _, answer), result in zip(batch, results):
-                    answer.put(result)
+                answer.put(result)
 
     def _take(self) -> list:
         """The next pass: waiting work of the oldest item's group generation, chosen by `take_pass`."""
@@ -343,22 +482,30 @@ class TargetBatcher:
 
 
 class _Answer:
-    """A result one thread waits for and another sets."""
+    """A result one thread waits for and another sets (the first value or error set is the answer)."""
 
     def __init__(self):
         self._done = threading.Event()
         self._value = self._error = None
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def put(self, value) -> None:
-        self._value = value
-        self._done.set()
+        if not self._done.is_set():
+            self._value = value
+            self._done.set()
 
     def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._done.set()
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
 
-    def get(self):
-        self._done.wait()
+    def get(self, timeout_s: float | None = None):
+        if not self._done.wait(timeout_s):
+            raise EngineUnavailable(f"the target gave no answer within {timeout_s:g} s: the engine is overloaded "
+                                    "or a worker is stuck; try again later")
         if self._error is not None:
             raise self._error
         return self._value

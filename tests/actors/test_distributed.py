@@ -195,6 +195,10 @@ class TestQwen3TP2Faults:
         ray.kill(old[1])
         with pytest.raises(TargetGroupError, match="target worker died.*rebuilt"):
             engine.result(doomed)
+        deadline = time.monotonic() + 120  # new requests are turned away while the group is rebuilt
+        while (h := engine.health())["rebuilds"] != 1 or h["state"] != "ready":
+            assert time.monotonic() < deadline, h
+            time.sleep(0.05)
         got = engine.generate_many(prompts(8), 25, "01001")  # later requests, concurrent, on the rebuilt group
         for q, g in zip(prompts(8), got):
             assert g.tokens == pair.decoder.generate(q, 25, "01001").tokens == hf_greedy(pair.target, q, 25)

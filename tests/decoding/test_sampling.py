@@ -95,3 +95,59 @@ def test_seed_makes_sampling_reproducible():
     a = dec.generate([1, 2, 3] * 3, 20, "10101", seed=7).tokens
     assert a == dec.generate([1, 2, 3] * 3, 20, "10101", seed=7).tokens
     assert any(dec.generate([1, 2, 3] * 3, 20, "10101", seed=s).tokens != a for s in range(8, 12))
+
+
+def test_a_temperature_below_greedy_below_decodes_greedily():
+    """1e-40 would overflow fp32 logits (inf, then nan probabilities for multinomial): it is greedy instead."""
+    from tiny import hf_greedy
+
+    from treegraft_dist.decoding.sampling import GREEDY_BELOW, next_token
+
+    tiny = SamplingParams(temperature=1e-40)
+    assert tiny.greedy and SamplingParams(temperature=GREEDY_BELOW / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    logits = torch.tensor([[3.0, 80.0, -2.0, 79.9]])
+    assert next_token(logits[0], tiny, torch.Generator().manual_seed(0)) == 1
+    assert target_probs(logits, tiny).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    model = tiny_model("llama", vocab=VOCAB, init=0.5, seed=2)
+    target = CausalLM(model)
+    dec = Decoder(target, CausalLM(perturbed_copy(model, 0.3, 1)), TreeConfig(top_k=3), tiny)
+    prompt = [1, 2, 3, 4, 1, 2]
+    for method in ("ar", "10101"):
+        assert dec.generate(prompt, 12, method, seed=5).tokens == hf_greedy(target, prompt, 12)
+
+
+def test_target_probs_stay_finite_at_the_smallest_sampled_temperature():
+    from treegraft_dist.decoding.sampling import GREEDY_BELOW
+
+    logits = torch.tensor([[1e4, -1e4, 9999.99, 0.0], [5.0, 5.0, -3.0, 1.0]])
+    for params in (SamplingParams(GREEDY_BELOW), SamplingParams(GREEDY_BELOW, top_k=2, top_p=0.5)):
+        p = target_probs(logits, params)
+        assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2))
+        assert p[0, 0] == 1.0 and p[1, 2] == 0.0
+    assert target_probs(logits, SamplingParams(GREEDY_BELOW))[1, :2].tolist() == [0.5, 0.5]  # a tie stays a tie
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                    dict(temperature="1"), dict(top_k=1.5), dict(top_k=True), dict(top_k=-1),
+                                    dict(top_p=float("nan")), dict(top_p=1.5)])
+def test_bad_sampling_params_are_refused(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        SamplingParams(**fields)
+
+
+def test_seeds_are_those_manual_seed_takes():
+    """The documented range is torch's own: both ends seed a generator, one past either end does not."""
+    from treegraft_dist.decoding.sampling import SEED_MAX, SEED_MIN, check_seed
+
+    for seed in (SEED_MIN, -1, 0, 2**63, SEED_MAX):
+        check_seed(seed)
+        torch.Generator().manual_seed(seed)
+    for seed in (SEED_MIN - 1, SEED_MAX + 1):
+        with pytest.raises(ValueError, match="seed"):
+            check_seed(seed)
+        with pytest.raises((ValueError, RuntimeError, OverflowError)):
+            torch.Generator().manual_seed(seed)
+    for seed in (1.0, "3", None, True):
+        with pytest.raises(ValueError, match="seed"):
+            check_seed(seed)

@@ -8,6 +8,7 @@ objects, so the same loop drives in-process components here and remote ones in t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,11 +17,12 @@ import numpy as np
 import torch
 
 from ..models.hf import CausalLM
+from .batch import input_vocab
 from .config import TreeConfig
 from .costs import forward_ms
 from .neural import NeuralDrafter
 from .ngram import NGramDrafter, PrefillCache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
 from .sizing import TreeSizer
@@ -178,7 +180,7 @@ class Decoder:
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(),
                  seed: int = 0) -> Generation:
         """Decode `prompt`; `method` is "ar", a schedule name/pattern, or a policy."""
-        check_request(prompt, max_new_tokens)
+        check_request(prompt, max_new_tokens, seed, input_vocab(self.target))
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         verifier = TargetVerifier(self.target, self.sampling, generator)
         if method == AR_METHOD:
@@ -360,11 +362,26 @@ def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], 
     return dataclasses.replace(cfg, call_budget=fitted if fitted is not None else default_call_budget(timings()))
 
 
-def check_request(prompt: list[int], max_new_tokens: int) -> None:
-    if not prompt:
+def check_request(prompt: list[int], max_new_tokens: int, seed: int = 0, vocab_size: int | None = None,
+                  sampling: SamplingParams | None = None) -> None:
+    """ValueError, before any model work, for a request that cannot be served as asked: an empty prompt or
+    one that is not integer token ids (all below `vocab_size`, when given), a max_new_tokens that is not an
+    integer >= 0, a seed torch.Generator.manual_seed does not take (sampling.check_seed), bad sampling params."""
+    if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError("the prompt must be a flat list of integer token ids")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise ValueError(f"the prompt holds token id {bad}, outside the model's vocabulary "
+                         f"[0, {vocab_size if vocab_size is not None else 'vocab size'})")
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_seed(seed)
+    if sampling is not None:
+        sampling.check()
 
 
 def resolve_policy(method, depth: int, has_middle: bool) -> SchedulePolicy:
