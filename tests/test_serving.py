@@ -261,3 +261,22 @@ def test_bodies_carry_speculation_details():
     assert body["usage"]["total_tokens"] == len(req.prompt_ids) + 7
     first = chunk_body(req, MODEL, "", first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+
+
+def test_accepted_tokens_per_position_and_the_engine_gauges():
+    from treegraft_dist.serving import ServingMetrics, accepted_per_position
+
+    stats = RequestStats("01001", new_tokens=9, rounds=4, accepted=[1, 3, 4, 1], tree_sizes=[1, 6, 6, 6],
+                         middle_calls=[0, 1, 1, 0])
+    assert accepted_per_position(stats) == [2, 2, 1]
+    assert accepted_per_position(RequestStats("ar")) == []
+    m = ServingMetrics()
+    m.request_done(stats, "treegraft")
+    m.engine_state({"waiting": 2, "kv_used_tokens": 30, "kv_capacity_tokens": 120, "rebuilds": 1}, running=3,
+                   waiting=1)
+    text = m.render().decode()
+    for series, value in (('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}', 2.0),
+                          ('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2"}', 1.0),
+                          ("treegraft_requests_running", 3.0), ("treegraft_requests_waiting", 3.0),
+                          ("treegraft_kv_cache_usage", 0.25), ("treegraft_target_group_rebuilds", 1.0)):
+        assert f"{series} {value}" in text, series

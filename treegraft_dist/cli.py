@@ -467,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-requests", type=int, default=8, help="requests decoded at once (default %(default)s)")
     v.add_argument("--max-queued", type=int, default=64, help="requests that may wait; more get 429 (default %(default)s)")
     v.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none")
+    v.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for room to run before a 503 with Retry-After (default %(default)s)")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $TREEGRAFT_API_KEY, "
+                        "else open)")
     v.add_argument("--cache-dir", default=None)
     v.set_defaults(func=cmd_serve)
 

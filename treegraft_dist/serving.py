@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .decoding.sampling import SamplingParams
+from .decoding.sampling import GREEDY_BELOW, SamplingParams
 from .decoding.stats import RequestStats
 
 # The largest request body read. The longest prompt a served context holds is far smaller: 128k tokens as
@@ -29,7 +29,7 @@ MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_TOKEN_IDS = 64
 MAX_USER = 256  # characters of the end-user id; the server logs it
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # every integer parameter stays within these
-GREEDY_BELOW = 1e-5  # a lower temperature is greedy decoding, as vLLM has it (logits / 1e-40 overflow)
+
 
 # The parameters each endpoint applies, keyed by `chat`.
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
@@ -460,15 +460,24 @@ DONE = sse("[DONE]")
 
 # -- metrics ----------------------------------------------------------------------------------------------
 class ServingMetrics:
-    """Prometheus counters and histograms of one server, in a registry of its own (`render` gives the text
-    exposition format)."""
+    """Prometheus counters, gauges and histograms of one server, in a registry of its own (`render` gives the
+    text exposition format). `jobs/serve.py` records the same series through Ray's metrics as well."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("treegraft_requests", "Requests by endpoint and outcome "
-                                "(ok, stopped, cancelled, bad_request, not_found, rejected, error)",
+        self.requests = Counter("treegraft_requests", "Requests by endpoint and outcome (ok, cancelled, "
+                                "bad_request, unauthorized, not_found, rejected, unavailable, error)",
                                 ["endpoint", "outcome"], registry=r)
+        self.running = Gauge("treegraft_requests_running", "Requests decoding now", registry=r)
+        self.waiting = Gauge("treegraft_requests_waiting", "Requests waiting for room to run (in the replica's "
+                             "queue or for KV cache room)", registry=r)
+        self.kv_usage = Gauge("treegraft_kv_cache_usage", "Fraction of the KV cache budget the running requests "
+                              "reserve", registry=r)
+        self.rebuilds = Gauge("treegraft_target_group_rebuilds", "Target group rebuilds after a lost worker",
+                              registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Rounds that accepted a "
+                                        "draft token at each position of the accepted path", ["position"], registry=r)
         self.drafts = Counter("treegraft_drafts", "Draft trees verified by the target", ["method"], registry=r)
         self.draft_tokens = Counter("treegraft_draft_tokens", "Draft tokens sent for verification", ["method"],
                                     registry=r)
@@ -476,11 +485,31 @@ class ServingMetrics:
                                        ["method"], registry=r)
         self.middle_calls = Counter("treegraft_middle_calls", "Calls to the middle drafter", ["method"], registry=r)
         self.generated_tokens = Counter("treegraft_generated_tokens", "Tokens generated", ["method"], registry=r)
+        self.queue_time = Histogram("treegraft_request_queue_time_seconds", "From the request's arrival to its "
+                                    "admission", registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("treegraft_e2e_request_latency_seconds", "From the request's arrival to its end",
+                             registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("treegraft_time_to_first_token_seconds", "From the request's arrival to its first "
-                              "token", registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+                              "token", registry=r, buckets=LATENCY_BUCKETS)
         self.itl = Histogram("treegraft_inter_token_latency_seconds", "Between consecutive tokens of a request "
                              "(a round that accepts n tokens counts n gaps of 1/n of its time)", registry=r,
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+
+    def request_ended(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def engine_state(self, health: dict, running: int, waiting: int) -> None:
+        """The gauges, from the engine's health (`DistributedEngine.health`) and the replica's own counts."""
+        self.running.set(running)
+        self.waiting.set(waiting + health.get("waiting", 0))
+        self.kv_usage.set(kv_usage(health))
+        self.rebuilds.set(health.get("rebuilds", 0))
+
+    def queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def latency(self, seconds: float) -> None:
+        self.e2e.observe(seconds)
 
     def request_done(self, stats: RequestStats | None, method: str) -> None:
         if stats is None:
@@ -492,7 +521,28 @@ class ServingMetrics:
             self.draft_tokens.labels(m).inc(d["draft_tokens"])
             self.accepted_tokens.labels(m).inc(d["accepted_draft_tokens"])
             self.middle_calls.labels(m).inc(d["middle_calls"])
+            for pos, n in enumerate(accepted_per_position(stats)):
+                self.accepted_per_pos.labels(str(pos)).inc(n)
         self.generated_tokens.labels(m).inc(stats.new_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def kv_usage(health: dict) -> float:
+    """The fraction of the engine's KV cache budget reserved, from `DistributedEngine.health`'s counts."""
+    cap = health.get("kv_capacity_tokens") or 0
+    return health.get("kv_used_tokens", 0) / cap if cap else 0.0
+
+
+def accepted_per_position(stats: RequestStats) -> list[int]:
+    """How many of a request's rounds accepted a draft token at each position of their path: a round that
+    accepts n tokens (its bonus token included) accepted draft tokens at positions 0 .. n-2."""
+    counts = [0] * max((a - 1 for a in stats.accepted), default=0)
+    for a in stats.accepted:
+        for pos in range(a - 1):
+            counts[pos] += 1
+    return counts

@@ -10,20 +10,18 @@ import asyncio
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
-from localcluster import BIN, free_port, head_node
+from localcluster import BIN, free_port
+from localserve import serve_tiny, wait_until_serving
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
 
 from treegraft_dist.models.hf import CausalLM
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "tiny-serve"
 MAX_REQUESTS, MAX_QUEUED = 4, 30
 
@@ -35,45 +33,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, target):
-    """(base URL, tokenizer) of `serve run` on serve.yaml with a tiny pair; the log is shown on failure."""
-    root = tmp_path_factory.mktemp("serve")
-    tok = char_tokenizer()
-    t_dir = save_tiny(root / "target", target, tok)
-    m_dir = save_tiny(root / "middle", perturbed_copy(target, 0.2, 1), tok)
-    config = yaml.safe_load((REPO / "serve.yaml").read_text())
-    port = free_port()
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    app = config["applications"][0]
-    app["args"] = {**app["args"], "target": t_dir, "middle": m_dir, "model_name": NAME, "device": "cpu",
-                   "dtype": "float32", "max_requests": MAX_REQUESTS, "max_queued": MAX_QUEUED, "max_tokens": 16}
-    path = root / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = root / "serve.log"
-    with head_node(dashboard=False) as (env, gcs, _, _):
-        proc = subprocess.Popen([str(BIN / "serve"), "run", str(path), "--address", gcs], cwd=REPO, env=env,
-                                stdout=log.open("w"), stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_serving(proc, base, log, time.monotonic() + 240)
-            yield base, tok, log
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def wait_until_serving(proc, base: str, log: Path, deadline: float) -> None:
-    """Until GET /v1/models answers 200; fails with the server's log if it exits or the deadline passes."""
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
-        try:
-            if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    """(base URL, tokenizer, log path) of `serve run` on serve.yaml with a tiny pair."""
+    with serve_tiny(tmp_path_factory.mktemp("serve"), target, NAME, max_requests=MAX_REQUESTS,
+                    max_queued=MAX_QUEUED, max_tokens=16) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
