@@ -339,19 +339,20 @@ class TestFaultsStayWithTheirRequest:
         assert engine.health()["rebuilds"] == 0
 
     def test_health_answers_while_requests_run_and_hold_locks(self, engine):
-        refs = [engine.submit(p, 150, "ar") for p in prompts(6, 3)]
+        refs = [engine.submit(p, 400, "ar") for p in prompts(6, 3)]
         wait_for(lambda: engine.health()["running"] >= 1, what="a request running")
 
-        def hold(c, seconds=3.0):  # as a request (or a slow path) holding the coordinator's locks
+        def hold(c, seconds=10.0):  # as a request (or a slow path) holding the coordinator's locks
             with c._lock, c._kv:
                 time.sleep(seconds)
 
         held = engine.coordinator.__ray_call__.remote(hold)
-        time.sleep(0.3)
-        for _ in range(5):
+        locked = engine.coordinator.__ray_call__.remote
+        wait_for(lambda: ray.get(locked(lambda c: c._lock.locked())), what="the locks held")
+        for _ in range(3):
             t = time.monotonic()
-            h = engine.health(timeout_s=2.0)
-            assert time.monotonic() - t < 1.0, h
+            h = engine.health(timeout_s=5.0)
+            assert time.monotonic() - t < 2.5, h
             assert h["state"] == "ready" and h["running"] >= 1
             assert set(h) == {"state", "rebuilds", "running", "waiting", "kv_used_tokens", "kv_capacity_tokens",
                               "batcher_restarts"}
@@ -383,7 +384,7 @@ class TestFaultsStayWithTheirRequest:
                 turned_away = time.monotonic() - t0
             time.sleep(0.02)
         assert "rebuilding" in states and states[-1] == "ready", states
-        assert turned_away < 2.0  # at once, not after the rebuild
+        assert turned_away < 5.0  # at once, not after the rebuild (which takes longer)
         h = engine.health()
         assert h["rebuilds"] == 1 and generation(engine) == 1
         new = engine.actors()["target"]
