@@ -48,17 +48,14 @@ from treegraft_dist.models.loading import describe_model
 from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
 from treegraft_dist.serving import (
     DONE,
-    LATENCY_BUCKETS,
     MAX_BODY_BYTES,
     ApiError,
     ApiRequest,
     ServedModel,
     ServingMetrics,
     TextStream,
-    accepted_per_position,
     chunk_body,
     decode_body,
-    kv_usage,
     parse_request,
     response_body,
     sse,
@@ -153,7 +150,7 @@ class OpenAIServer:
         self.slots = asyncio.Semaphore(max_requests)
         self.running = self.waiting = 0
         self.metrics = ServingMetrics()
-        self.cluster_metrics = ClusterMetrics()
+        self.cluster_metrics = ServingMetrics(ray_metric_kinds())
         self._health: dict = self.engine.health()
         self._rebuilding_since: float | None = None
         self._stop = threading.Event()
@@ -388,12 +385,14 @@ class OpenAIServer:
                     continue
                 tokens = item["tokens"]
                 now = time.perf_counter()
+                for m in (self.metrics, self.cluster_metrics):
+                    if last is None:
+                        m.ttft.observe(now - progress.arrived)
+                    else:
+                        for _ in tokens:
+                            m.itl.observe((now - last) / len(tokens))
                 if last is None:
                     progress.first_token = now
-                    self.metrics.ttft.observe(now - progress.arrived)
-                else:
-                    for _ in tokens:
-                        self.metrics.itl.observe((now - last) / len(tokens))
                 last = now
                 progress.tokens += len(tokens)
                 progress.last_token = tokens[-1]
@@ -467,50 +466,39 @@ def fit_device_scheduler(pair, target_src: str, middle_src: str, device: str, dt
     return found[0]
 
 
-class ClusterMetrics:
-    """The server's metrics through Ray's own metrics (`ray.util.metrics`), so that a cluster's Prometheus
-    scrapes every replica once, at Ray's metrics endpoint. The series of /metrics (ServingMetrics) that a
-    cluster needs, with the vLLM-compatible `vllm:` prefix written `vllm_` (Ray refuses ':' in names)."""
+def ray_metric_kinds() -> dict:
+    """ServingMetrics' metric kinds through Ray's own metrics (`ray.util.metrics`), so that a cluster's
+    Prometheus scrapes every replica once, at Ray's metrics endpoint. Ray refuses ':' in names: the
+    vLLM-compatible `vllm:` prefix is written `vllm_` there."""
+    from ray.util import metrics as rm
 
-    def __init__(self):
-        from ray.util import metrics as rm
+    def kind(cls):
+        def make(name: str, doc: str, labels: list[str], *buckets):
+            extra = {"boundaries": list(buckets[0])} if buckets else {}
+            return _RayMetric(cls(name.replace(":", "_"), doc, tag_keys=tuple(labels), **extra), labels)
+        return make
 
-        buckets = list(LATENCY_BUCKETS)
-        self.requests = rm.Counter("treegraft_requests", "Requests by endpoint and outcome", ("endpoint", "outcome"))
-        self.running = rm.Gauge("treegraft_requests_running", "Requests decoding now")
-        self.waiting = rm.Gauge("treegraft_requests_waiting", "Requests waiting for room to run")
-        self.kv_usage = rm.Gauge("treegraft_kv_cache_usage", "Fraction of the KV cache budget reserved")
-        self.rebuilds = rm.Gauge("treegraft_target_group_rebuilds", "Target group rebuilds after a lost worker")
-        self.accepted_per_pos = rm.Counter("vllm_spec_decode_num_accepted_tokens_per_pos",
-                                           "Rounds that accepted a draft token at each position", ("position",))
-        self.generated = rm.Counter("treegraft_generated_tokens", "Tokens generated", ("method",))
-        self.queue_time = rm.Histogram("treegraft_request_queue_time_seconds", "From arrival to admission", buckets)
-        self.e2e = rm.Histogram("treegraft_e2e_request_latency_seconds", "From arrival to the end", buckets)
+    return {"counter": kind(rm.Counter), "gauge": kind(rm.Gauge), "histogram": kind(rm.Histogram)}
 
-    def request_ended(self, endpoint: str, outcome: str) -> None:
-        self.requests.inc(1, {"endpoint": endpoint, "outcome": outcome})
 
-    def engine_state(self, health: dict, running: int, waiting: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting + health.get("waiting", 0))
-        self.kv_usage.set(kv_usage(health))
-        self.rebuilds.set(health.get("rebuilds", 0))
+class _RayMetric:
+    """A Ray metric with prometheus_client's calls: `labels(*values)`, then `inc`, `set` or `observe`."""
 
-    def queued(self, seconds: float) -> None:
-        self.queue_time.observe(seconds)
+    def __init__(self, metric, keys, tags: dict | None = None):
+        self.metric, self.keys, self.tags = metric, keys, tags
 
-    def latency(self, seconds: float) -> None:
-        self.e2e.observe(seconds)
+    def labels(self, *values) -> "_RayMetric":
+        return _RayMetric(self.metric, self.keys, dict(zip(self.keys, map(str, values))))
 
-    def request_done(self, stats, method: str) -> None:
-        if stats is None:
-            return
-        if stats.method != AR_METHOD:
-            for pos, n in enumerate(accepted_per_position(stats)):
-                if n:
-                    self.accepted_per_pos.inc(n, {"position": str(pos)})
-        if stats.new_tokens:
-            self.generated.inc(stats.new_tokens, {"method": method})
+    def inc(self, amount: float = 1) -> None:
+        if amount > 0:  # Ray's counters take positive increments only
+            self.metric.inc(amount, self.tags)
+
+    def set(self, value: float) -> None:
+        self.metric.set(value, self.tags)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value, self.tags)
 
 
 # The deployment: every request reaches the replica (its own admission answers 429 or 503), which needs

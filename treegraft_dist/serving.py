@@ -460,40 +460,43 @@ DONE = sse("[DONE]")
 
 # -- metrics ----------------------------------------------------------------------------------------------
 class ServingMetrics:
-    """Prometheus counters, gauges and histograms of one server, in a registry of its own (`render` gives the
-    text exposition format). `jobs/serve.py` records the same series through Ray's metrics as well."""
+    """Prometheus counters, gauges and histograms of one server. By default in a prometheus_client registry of
+    its own (`render` gives the text exposition format); `kinds` builds them elsewhere instead (jobs/serve.py
+    records the same series through Ray's metrics): {"counter": f(name, doc, labels), "gauge": f(name, doc,
+    labels), "histogram": f(name, doc, labels, buckets)}, each metric with prometheus_client's `labels(...)`,
+    `inc`, `set` and `observe`."""
 
-    def __init__(self):
+    def __init__(self, kinds: dict | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("treegraft_requests", "Requests by endpoint and outcome (ok, cancelled, "
-                                "bad_request, unauthorized, not_found, rejected, unavailable, error)",
-                                ["endpoint", "outcome"], registry=r)
-        self.running = Gauge("treegraft_requests_running", "Requests decoding now", registry=r)
-        self.waiting = Gauge("treegraft_requests_waiting", "Requests waiting for room to run (in the replica's "
-                             "queue or for KV cache room)", registry=r)
-        self.kv_usage = Gauge("treegraft_kv_cache_usage", "Fraction of the KV cache budget the running requests "
-                              "reserve", registry=r)
-        self.rebuilds = Gauge("treegraft_target_group_rebuilds", "Target group rebuilds after a lost worker",
-                              registry=r)
-        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Rounds that accepted a "
-                                        "draft token at each position of the accepted path", ["position"], registry=r)
-        self.drafts = Counter("treegraft_drafts", "Draft trees verified by the target", ["method"], registry=r)
-        self.draft_tokens = Counter("treegraft_draft_tokens", "Draft tokens sent for verification", ["method"],
-                                    registry=r)
-        self.accepted_tokens = Counter("treegraft_accepted_tokens", "Draft tokens the target accepted",
-                                       ["method"], registry=r)
-        self.middle_calls = Counter("treegraft_middle_calls", "Calls to the middle drafter", ["method"], registry=r)
-        self.generated_tokens = Counter("treegraft_generated_tokens", "Tokens generated", ["method"], registry=r)
-        self.queue_time = Histogram("treegraft_request_queue_time_seconds", "From the request's arrival to its "
-                                    "admission", registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("treegraft_e2e_request_latency_seconds", "From the request's arrival to its end",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.ttft = Histogram("treegraft_time_to_first_token_seconds", "From the request's arrival to its first "
-                              "token", registry=r, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("treegraft_inter_token_latency_seconds", "Between consecutive tokens of a request "
-                             "(a round that accepts n tokens counts n gaps of 1/n of its time)", registry=r,
-                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        kinds = kinds or {"counter": lambda n, d, labels: Counter(n, d, labels, registry=r),
+                          "gauge": lambda n, d, labels: Gauge(n, d, labels, registry=r),
+                          "histogram": lambda n, d, labels, b: Histogram(n, d, labels, registry=r, buckets=b)}
+        counter, gauge, histogram = kinds["counter"], kinds["gauge"], kinds["histogram"]
+        self.requests = counter("treegraft_requests", "Requests by endpoint and outcome (ok, cancelled, bad_request, "
+                                "unauthorized, not_found, rejected, unavailable, error)", ["endpoint", "outcome"])
+        self.running = gauge("treegraft_requests_running", "Requests decoding now", [])
+        self.waiting = gauge("treegraft_requests_waiting", "Requests waiting for room to run (in the replica's "
+                             "queue or for KV cache room)", [])
+        self.kv_usage = gauge("treegraft_kv_cache_usage", "Fraction of the KV cache budget the running requests "
+                              "reserve", [])
+        self.rebuilds = gauge("treegraft_target_group_rebuilds", "Target group rebuilds after a lost worker", [])
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Rounds that accepted a "
+                                        "draft token at each position of the accepted path", ["position"])
+        self.drafts = counter("treegraft_drafts", "Draft trees verified by the target", ["method"])
+        self.draft_tokens = counter("treegraft_draft_tokens", "Draft tokens sent for verification", ["method"])
+        self.accepted_tokens = counter("treegraft_accepted_tokens", "Draft tokens the target accepted", ["method"])
+        self.middle_calls = counter("treegraft_middle_calls", "Calls to the middle drafter", ["method"])
+        self.generated_tokens = counter("treegraft_generated_tokens", "Tokens generated", ["method"])
+        self.queue_time = histogram("treegraft_request_queue_time_seconds", "From the request's arrival to its "
+                                    "admission", [], LATENCY_BUCKETS)
+        self.e2e = histogram("treegraft_e2e_request_latency_seconds", "From the request's arrival to its end", [],
+                             LATENCY_BUCKETS)
+        self.ttft = histogram("treegraft_time_to_first_token_seconds", "From the request's arrival to its first "
+                              "token", [], LATENCY_BUCKETS)
+        self.itl = histogram("treegraft_inter_token_latency_seconds", "Between consecutive tokens of a request (a "
+                             "round that accepts n tokens counts n gaps of 1/n of its time)", [],
+                             (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
 
     def request_ended(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()
