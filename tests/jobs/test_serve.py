@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from localcluster import BIN, free_port
-from localserve import serve_tiny, wait_until_serving
+from localserve import kill_actors, serve_tiny, wait_until_serving
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
 
 from treegraft_dist.models.hf import CausalLM
@@ -35,7 +35,7 @@ def target():
 def server(tmp_path_factory, target):
     """(base URL, tokenizer, log path) of `serve run` on serve.yaml with a tiny pair."""
     with serve_tiny(tmp_path_factory.mktemp("serve"), target, NAME, max_requests=MAX_REQUESTS,
-                    max_queued=MAX_QUEUED, max_tokens=16) as served:
+                    max_queued=MAX_QUEUED, max_tokens=16, queue_timeout=600) as served:
         yield served
 
 
@@ -190,23 +190,6 @@ def test_32_concurrent_streaming_clients(server, target):
         assert text == tok.decode(oracle(target, tok(p)["input_ids"], 12), skip_special_tokens=True), p
 
 
-def kill_processes(title: str) -> int:
-    """SIGKILL every process on this machine titled `title` or `title.<method>` (Ray titles an actor's worker
-    process ray::<class>, and ray::<class>.<method> while it runs a call); how many."""
-    import psutil
-
-    killed = 0
-    for proc in psutil.process_iter(["cmdline"]):
-        first = (proc.info["cmdline"] or [""])[0].split()
-        if first and (first[0] == title or first[0].startswith(title + ".")):
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:  # it ended between the listing and the kill (a Ray worker winding down)
-                continue
-            killed += 1
-    return killed
-
-
 async def stream_until_started(base: str, bodies: list[dict], started: int, then) -> tuple[object, list[list[str]]]:
     """Stream every body at once; once `started` streams have sent text, call `then()` (in a thread); returns
     its result and each stream's data lines (without the "data: " prefix)."""
@@ -215,7 +198,7 @@ async def stream_until_started(base: str, bodies: list[dict], started: int, then
     async def one(http, i, body):
         lines = []
         async with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
+            assert resp.status_code == 200, await resp.aread()
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
                     lines.append(line[6:])
@@ -246,7 +229,7 @@ def test_drafter_actors_killed_under_load_change_no_output(server, target):
     bodies = [{"model": NAME, "prompt": p, "max_tokens": 120, "temperature": 0, "stream": True,
                "method": methods[i % 4]} for i, p in enumerate(prompts)]
     killed, streams = asyncio.run(stream_until_started(base, bodies, MAX_REQUESTS,
-                                                       lambda: kill_processes("ray::DrafterHost")))
+                                                       lambda: kill_actors("ray::DrafterHost", server[3])))
     assert killed == 2  # the n-gram actor and the middle drafter
     for p, lines in zip(prompts, streams):
         assert lines[-1] == "[DONE]" and "error" not in lines[-2], lines[-2:]
@@ -265,7 +248,7 @@ def test_a_target_rank_killed_under_load_fails_its_requests_clearly_then_serves(
     base, tok = server[0], server[1]
     bodies = [{"model": NAME, "prompt": f"rank {i}", "max_tokens": 300, "temperature": 0, "stream": True,
                "method": ["ar", "all-small"][i % 2]} for i in range(8)]
-    killed, streams = asyncio.run(stream_until_started(base, bodies, 2, lambda: kill_processes("ray::TargetWorker")))
+    killed, streams = asyncio.run(stream_until_started(base, bodies, 2, lambda: kill_actors("ray::TargetWorker", server[3])))
     assert killed == 1
     failed = 0
     for body, lines in zip(bodies, streams):
@@ -327,6 +310,7 @@ def test_a_client_that_leaves_stops_its_request(server):
 
 def test_prometheus_metrics(server, client):
     client.completions.create(model=NAME, prompt="metrics", max_tokens=8, temperature=0, extra_body={"method": "all-mid"})
+    assert httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": ""}, timeout=30).status_code == 400
     text = httpx.get(server[0] + "/metrics", timeout=10).text
     assert _value(text, 'treegraft_requests_total{endpoint="completions",outcome="ok"}') >= 1
     assert _value(text, 'treegraft_requests_total{endpoint="completions",outcome="bad_request"}') >= 1
@@ -336,6 +320,11 @@ def test_prometheus_metrics(server, client):
     assert _value(text, 'treegraft_middle_calls_total{method="all-mid"}') >= 1
     assert _value(text, "treegraft_time_to_first_token_seconds_count") >= 1
     assert _value(text, "treegraft_inter_token_latency_seconds_count") >= 7
+    assert _value(text, "treegraft_request_queue_time_seconds_count") >= 1
+    assert _value(text, "treegraft_e2e_request_latency_seconds_count") >= 1
+    assert _value(text, 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') >= 0
+    assert _value(text, "treegraft_requests_running") == 0 and _value(text, "treegraft_kv_cache_usage") == 0
+    assert _value(text, "treegraft_target_group_rebuilds") >= 0
 
 
 def _value(text: str, series: str) -> float:
