@@ -88,12 +88,18 @@ class Resources:
 
 def for_device(device: str, tp: int = 1, **changes) -> Resources:
     """An engine's resources on `device`: on "cuda" every target rank and the middle drafter own a GPU; on
-    "cpu" the actors share the cores and ask for no GPUs."""
+    "cpu" the actors share the cores and ask for no GPUs, and the model actors run torch on every core."""
     if device == "cpu":
+        from treegraft_dist.models.precision import physical_cores
+
         # No middle prefetch: on shared cores its catch-up only competes with the target's pass (measured in
-        # BENCHMARKS.md, distributed path).
+        # BENCHMARKS.md, distributed path). Ray sets OMP_NUM_THREADS to an actor's whole CPUs, at least 1, so
+        # the fractional shares that let the actors place together would leave the target one thread: the
+        # model actors get the threads a plain process gets here (those `treegraft generate` runs with), and
+        # take turns on them (one request's target passes and middle calls alternate). The coordinator is
+        # given none and keeps Ray's one; the n-gram host runs no torch products.
         cpu = dict(target_gpus=0, middle_gpus=0, target_cpus=0.25, middle_cpus=0.25, ngram_cpus=0.1,
-                   coordinator_cpus=0.1, middle_prefetch=False)
+                   coordinator_cpus=0.1, middle_prefetch=False, torch_threads=physical_cores())
         return Resources(tp=tp, device="cpu", **{**cpu, **changes})
     return Resources(tp=tp, device=device, **changes)
 

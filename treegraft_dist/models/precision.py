@@ -18,9 +18,11 @@ numerical near-tie from a real mismatch.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,6 +58,20 @@ def cpu_flags() -> set[str]:
 def cpu_model() -> str:
     """The processor's model name, e.g. "Intel(R) Xeon(R) Platinum 8488C" (the machine type elsewhere)."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def physical_cores() -> int:
+    """The intra-op threads torch starts with in a plain process here (no $OMP_NUM_THREADS): the physical
+    cores among the processors this process may run on (hyperthreads of one core count once)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(tuple((topology / name).read_text().strip() for name in ("physical_package_id", "core_id")))
+        except OSError:  # no sysfs topology: every processor counts
+            cores.add(("", str(cpu)))
+    return max(1, len(cores))
 
 
 def _matmul_fn(rows: int, dtype: torch.dtype):
