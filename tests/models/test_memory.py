@@ -1,0 +1,83 @@
+"""A CPU model loaded for decoding keeps no view of its checkpoint's file mapping (loading.own_memory), so the
+pages its conversion read do not stay resident beside the weights in use."""
+
+import numpy as np
+import pytest
+import torch
+from tiny import char_tokenizer, save_tiny, tiny_model
+
+from treegraft_dist.models import compact, kernels
+from treegraft_dist.models.kernels import LINEAR_ENV
+from treegraft_dist.models.loading import load_model, own_memory
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+    yield monkeypatch
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+
+
+def mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(path) for line in f)
+
+
+def foreign(values: np.ndarray) -> torch.Tensor:
+    """A tensor over memory torch did not allocate, as a mapped checkpoint's are."""
+    return torch.from_numpy(values)
+
+
+def test_own_memory_copies_foreign_views_keeps_ties_and_skips_what_it_is_told():
+    emb = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    inner = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "inner": inner})
+    emb.weight = head.weight = torch.nn.Parameter(foreign(np.arange(32, dtype=np.float32).reshape(8, 4)),
+                                                  requires_grad=False)
+    inner.weight = torch.nn.Parameter(foreign(np.ones((4, 4), np.float32)), requires_grad=False)
+    inner.register_buffer("table", foreign(np.zeros(3, np.float32)))
+    own = inner.bias  # allocated by torch
+    copied = own_memory(model, skip={id(inner.weight)})
+    assert copied == (32 + 3) * 4
+    assert emb.weight is head.weight and emb.weight.untyped_storage().resizable()  # still tied, now owned
+    assert torch.equal(emb.weight, torch.arange(32, dtype=torch.float32).reshape(8, 4))
+    assert inner.table.untyped_storage().resizable()
+    assert not inner.weight.untyped_storage().resizable()  # skipped
+    assert inner.bias is own
+
+
+@pytest.mark.skipif(kernels.unsupported(torch.float32) is not None, reason="no packed fp32 linear here")
+@pytest.mark.parametrize("path", ["packed", "compact"])
+def test_a_loaded_cpu_model_drops_its_checkpoint_mapping(tmp_path, fresh_choice, path):
+    if path == "compact" and compact._extension()[0] is None:
+        pytest.skip(str(compact._extension()[1]))
+    model = tiny_model("llama", seed=4)
+    # bf16-representable weights: every linear has an exact compact form
+    model = model.to(torch.bfloat16).float()
+    folder = save_tiny(tmp_path / "m", model, char_tokenizer())
+    fresh_choice.setenv(LINEAR_ENV, path)
+    lm = load_model(folder, "cpu", "float32").lm
+    assert lm.compact == (path == "compact") and lm.packed
+    checkpoint = str(tmp_path / "m" / "model.safetensors")
+    assert not mapped(checkpoint)
+    assert all(t.untyped_storage().resizable() for t in [*lm.model.parameters(), *lm.model.buffers()]
+               if t.layout == torch.strided)
+    stock = load_model(folder, "cpu", "float32", pack=False).lm
+    assert mapped(checkpoint)  # unconverted linears read the mapping: nothing is copied out of it
+    ids = torch.arange(3, 23)
+    ref = stock.logits(stock.hidden(stock.new_cache(), ids, torch.arange(20)))
+    out = lm.logits(lm.hidden(lm.new_cache(), ids, torch.arange(20)))
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.skipif(kernels.unsupported(torch.float32) is not None, reason="no packed fp32 linear here")
+def test_stock_linears_read_the_mapping_and_nothing_is_copied_from_it(tmp_path, fresh_choice):
+    folder = save_tiny(tmp_path / "m", tiny_model("llama", seed=5), char_tokenizer())
+    fresh_choice.setenv(LINEAR_ENV, "stock")
+    lm = load_model(folder, "cpu", "float32").lm
+    assert not lm.packed and not lm.compact
+    assert mapped(str(tmp_path / "m" / "model.safetensors"))
+    assert not lm.model.get_input_embeddings().weight.untyped_storage().resizable()
