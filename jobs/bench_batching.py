@@ -2,7 +2,7 @@
 speculation on and off, on one distributed engine, side by side in one run.
 
   .venv/bin/python jobs/bench_batching.py [--pair embedded|tiny] [--tokens 32] [--concurrency 1,4,8,16]
-        [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto]
+        [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto] [--threads N]
 
 `ar` is the same engine with speculation off (its steps are batched across requests too, so it is the
 fastest plain decoding this engine does under load). `treegraft` is what the server runs by default (the
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every concurrency's methods this many times, each time in the next rotation of "
                          "their order; the table gives the median tokens/s (the box drifts between cells)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of each model actor (default: for_device's, the cores a plain process uses)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -119,7 +121,8 @@ def main() -> None:
         tree = TreeConfig(budget=args.budget)
         engines = {}
         for adapt in sorted({not m.endswith("@fixed") for m in methods}):
-            res = for_device("cpu", 1, torch_threads=2, max_requests=max(levels), adapt_budget=adapt)
+            threads = {} if args.threads is None else {"torch_threads": args.threads}
+            res = for_device("cpu", 1, max_requests=max(levels), adapt_budget=adapt, **threads)
             engines[adapt] = DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype)
         try:
             for eng in engines.values():  # warm-up: kernels, the pass-cost profile
@@ -148,7 +151,8 @@ def main() -> None:
                 eng.shutdown()
         judge(rows, prompts, t_path, args.dtype)
     print(f"\n{args.pair} pair, {args.tokens} new tokens per request, dtype {args.dtype}, budget {args.budget}, "
-          f"2 torch threads, {torch.get_num_threads()} cores seen, median of {args.repeats} run(s) per cell\n")
+          f"{res.torch_threads} torch threads per model actor, {torch.get_num_threads()} cores seen, median of "
+          f"{args.repeats} run(s) per cell\n")
     print("| requests | method | tokens/s (all) | vs ar | mean latency s | p90 latency s | tokens/round | nodes/round "
           "| exact/near-tie/mismatch vs ar, per run |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -1,0 +1,227 @@
+"""Served against in-process decoding, one request at a time: what the actors cost a single request.
+
+  .venv/bin/python jobs/bench_serve.py [--pair embedded|tiny] [--prompts 2] [--tokens 32] [--repeats 3]
+        [--methods ar,treegraft] [--dtype auto] [--budget 64] [--served-threads N] [--worker-niceness N]
+        [--linear same|auto|compact|packed|stock]
+
+Both sides are loaded at once and take turns, request by request: the in-process `Decoder` (what `treegraft
+generate` runs) and a `DistributedEngine` on a local Ray cluster with `for_device("cpu")`'s resources (what
+`treegraft serve` puts behind its API), on the same prompts (chat-formatted benchmark first turns), in the same
+precision (`--dtype auto` is resolved once here and both sides are given its result) and on the same linear
+path (`--linear same`: the one this process's probes pick, set in $TREEGRAFT_LINEAR for the workers too; each
+process probes on its own otherwise, and a near tie can send them different ways). `treegraft` is the server's
+default method, the shallow-tree heuristic at `--budget` nodes, on both sides. Every request is timed from the
+caller (for the engine: submit to result, every actor call included); each side and method is warmed up once,
+untimed, before any timed request (kernels, probes, the target's forward timing the heuristic reads). Within a
+repeat each prompt runs on one side then the other, the order swapped every repeat, so a neighbour's load falls
+on both alike; the ratio served / in-process is taken per repeat and the table gives the median.
+
+`--served-threads N` gives the engine's model actors N torch threads instead of for_device's choice (1 is what
+they ran with while Ray's OMP_NUM_THREADS set them). Ray runs its workers at niceness 15, so where other
+processes compete for the cores the actors get a fraction of what this process gets at 0: the workers run at
+this process's niceness unless `--worker-niceness` says otherwise (15: Ray's default, as `treegraft serve` runs
+them). The lines above the table give each actor's torch threads and niceness, the linear path of each model,
+the resident memory of the served target worker and what loading the target added to this process's.
+Prints a Markdown table. Memory: both sides of the embedded pair in fp32 hold about 13 GB on the compact path,
+about 22 GB on the packed one (`--linear compact` keeps a 24 GB machine clear of that when a busy probe would
+pick packed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from actors.engine import DistributedEngine  # noqa: E402
+from actors.resources import for_device  # noqa: E402
+from jobs.bench_batching import bench_prompts, pair_paths  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
+from treegraft_dist.decoding.engine import AR_METHOD, Decoder  # noqa: E402
+from treegraft_dist.decoding.schedule import ShallowTreeHeuristic  # noqa: E402
+from treegraft_dist.models import compact, kernels, precision  # noqa: E402
+from treegraft_dist.models.loading import DTYPES, check_pair, load_model, pick_dtype  # noqa: E402
+
+SIDES = ("in-process", "served")
+
+
+def policy(method: str):
+    """The method as both sides are given it: `treegraft` is the server's default policy."""
+    return ShallowTreeHeuristic() if method == "treegraft" else method
+
+
+def resident_gb(pid: int | None = None) -> float:
+    return psutil.Process(pid).memory_info().rss / 1e9
+
+
+def linear_path(lm) -> str:
+    return "compact" if lm.compact else "packed" if lm.packed else "stock"
+
+
+def pin_linear_path(dtype: torch.dtype) -> str:
+    """The CPU linear path this process's probes choose for `dtype`, set in $TREEGRAFT_LINEAR so that the Ray
+    workers started from here run it too (each process probes on its own otherwise, and a near tie can send
+    the target worker one way and this process the other)."""
+    if dtype == compact.DTYPE and compact.choice().compact:
+        path = "compact"
+    else:
+        path = "packed" if kernels.choice(dtype).packed else "stock"
+    os.environ[kernels.LINEAR_ENV] = path
+    return path
+
+
+def actor_facts(engine: DistributedEngine) -> dict[str, dict]:
+    """Torch threads, $OMP_NUM_THREADS, pid and linear path of every actor (a look inside through __ray_call__)."""
+
+    def facts(actor):
+        lm = getattr(actor, "lm", None)
+        return {"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"), "pid": os.getpid(),
+                "nice": os.nice(0), "linears": None if lm is None else linear_path(lm)}
+
+    handles = engine.actors()
+    named = {"coordinator": engine.coordinator, "target": handles["target"][0], "middle": handles["middle"],
+             "ngram": handles["ngram"]}
+    return {k: ray.get(h.__ray_call__.remote(facts)) for k, h in named.items() if h is not None}
+
+
+def timed(run) -> tuple[object, float]:
+    t = time.perf_counter()
+    out = run()
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", choices=("tiny", "embedded"), default="embedded")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="ar,treegraft")
+    ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    ap.add_argument("--budget", type=int, default=TreeConfig().budget)
+    ap.add_argument("--served-threads", type=int, default=None,
+                    help="torch threads of the engine's model actors (default: for_device's)")
+    ap.add_argument("--worker-niceness", type=int, default=os.nice(0),
+                    help="niceness of the Ray workers (default: this process's; Ray's own default is 15)")
+    ap.add_argument("--linear", choices=("same", "auto", *kernels.LINEAR_MODES[1:]), default="same",
+                    help="same: both sides run the linear path this process's probes pick; auto: each process "
+                         "decides; compact, packed, stock: both sides run that one")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"dtype: {dtype_name}" + (f" ({precision.describe(torch.device('cpu'))})" if args.dtype == "auto" else ""),
+          flush=True)
+    if args.linear == "same":
+        print(f"linear path on both sides: {pin_linear_path(dtype)}", flush=True)
+    elif args.linear != "auto":
+        os.environ[kernels.LINEAR_ENV] = args.linear
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet ray.init starts
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=300 * 1024**2, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    tree = TreeConfig(budget=args.budget)
+    res = for_device("cpu", 1)
+    if args.served_threads is not None:
+        res = dataclasses.replace(res, torch_threads=args.served_threads)
+    rows: dict[tuple[str, str], list] = {}
+    with tempfile.TemporaryDirectory() as d:
+        t_path, m_path, tok = pair_paths(args.pair, d)
+        eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
+        prompts = bench_prompts(tok, args.prompts)
+        # The engine first: its workers' loading peaks (file pages and the copies made from them) do not meet
+        # this process's.
+        engine = DistributedEngine(t_path, m_path, tree, res, dtype=dtype_name)
+        try:
+            facts = actor_facts(engine)
+            before = resident_gb()
+            target = load_model(t_path, "cpu", dtype_name, tok)
+            loaded_gb = resident_gb() - before
+            middle = load_model(m_path, "cpu", dtype_name, tok, drafter=True)
+            check_pair(target, middle)
+            decoder = Decoder(target.lm, middle.lm, tree)
+            sides = {"in-process": lambda p, n, m: decoder.generate(p, n, policy(m), eos),
+                     "served": lambda p, n, m: engine.generate(p, n, policy(m), eos)}
+            for m in methods:  # warm-up, untimed
+                for run in sides.values():
+                    run(prompts[0], 4, m)
+            print(f"torch threads (niceness): driver {torch.get_num_threads()} ({os.nice(0)}), "
+                  + ", ".join(f"{k} {v['threads']} ({v['nice']})" for k, v in facts.items())
+                  + f"; the actors' OMP_NUM_THREADS={facts['target']['omp']}")
+            print(f"linear paths: in process target {linear_path(target.lm)}, middle {linear_path(middle.lm)}; served "
+                  f"target {facts['target']['linears']}, middle {facts['middle']['linears']}")
+            print(f"resident memory: served target worker {resident_gb(facts['target']['pid']):.2f} GB; loading the "
+                  f"target in process added {loaded_gb:.2f} GB to this one", flush=True)
+            for rep in range(args.repeats):
+                try:
+                    done = run_repeat(rep, sides, methods, prompts, args.tokens)
+                except Exception as e:  # a lost actor, say: the table gives the repeats that finished
+                    print(f"repeat {rep} stopped ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                    break
+                for key, timed_runs in done.items():
+                    rows.setdefault(key, []).extend(timed_runs)
+        finally:
+            engine.shutdown()
+    if rows:
+        report(rows, methods, args, dtype_name, res)
+    ray.shutdown()
+
+
+def run_repeat(rep: int, sides: dict, methods: list[str], prompts: list[list[int]], tokens: int) -> dict:
+    """{(method, side): [(repeat, prompt index, Generation, seconds)]} of one repeat: each prompt on one side
+    then the other, in the order of this repeat."""
+    order = SIDES if rep % 2 == 0 else SIDES[::-1]
+    out: dict[tuple[str, str], list] = {}
+    for m in methods:
+        for i, p in enumerate(prompts):
+            for side in order:
+                gen, wall = timed(lambda: sides[side](p, tokens, m))
+                out.setdefault((m, side), []).append((rep, i, gen, wall))
+                print(f"  repeat {rep} {m:>9} prompt {i} {side:>10}: {len(gen.tokens) / wall:5.2f} tok/s, "
+                      f"{gen.stats.rounds} rounds, {statistics.mean(gen.stats.tree_sizes or [1]):.1f} nodes/round",
+                      flush=True)
+    return out
+
+
+def report(rows: dict, methods: list[str], args, dtype_name: str, res) -> None:
+    def per_repeat(m, side):  # tokens/s over the repeat's prompts
+        out = {}
+        for rep, _, gen, wall in rows[m, side]:
+            n, s = out.get(rep, (0, 0.0))
+            out[rep] = (n + len(gen.tokens), s + wall)
+        return {rep: n / s for rep, (n, s) in out.items()}
+
+    repeats = len({rep for rep, *_ in next(iter(rows.values()))})
+    print(f"\n{args.pair} pair, {args.prompts} prompts x {args.tokens} new tokens, one request at a time, dtype "
+          f"{dtype_name}, budget {args.budget}, served model actors on {res.torch_threads} torch threads at niceness "
+          f"{args.worker_niceness}, median of {repeats} repeats\n")
+    print("| method | in-process tok/s | served tok/s | served / in-process | rounds (in/served) "
+          "| accepted/round (in/served) | nodes/round (in/served) | same ids |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in methods:
+        tps = {side: per_repeat(m, side) for side in SIDES}
+        ratio = statistics.median(tps["served"][r] / tps["in-process"][r] for r in tps["served"])
+        stats = {side: [g.stats for _, _, g, _ in rows[m, side]] for side in SIDES}
+        rounds = "/".join(f"{statistics.mean(s.rounds for s in stats[side]):.1f}" for side in SIDES)
+        accepted = "/".join(f"{statistics.mean(s.mean_accepted for s in stats[side]):.2f}" for side in SIDES)
+        nodes = "/".join(f"{statistics.mean(n for s in stats[side] for n in s.tree_sizes or [1]):.1f}"
+                         for side in SIDES)
+        same = sum(a[2].tokens == b[2].tokens for a, b in zip(rows[m, "in-process"], rows[m, "served"]))
+        print(f"| {m} | {statistics.median(tps['in-process'].values()):.2f} | "
+              f"{statistics.median(tps['served'].values()):.2f} | {ratio:.2f}x | {rounds} | "
+              f"{accepted if m != AR_METHOD else '-'} | {nodes if m != AR_METHOD else '-'} | "
+              f"{same}/{len(rows[m, 'served'])} |")
+
+
+if __name__ == "__main__":
+    main()
