@@ -5,9 +5,11 @@ speculation on and off, on one distributed engine, side by side in one run.
         [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto] [--threads N]
 
 `ar` is the same engine with speculation off (its steps are batched across requests too, so it is the
-fastest plain decoding this engine does under load). `treegraft` is what the server runs by default (the
-shallow-tree heuristic, deciding middle calls from the tree's signals). `@fixed` runs a method without the load-adapted budget
-(Resources.adapt_budget=False), to show what the adaptation buys. Each cell: total generated tokens per
+fastest plain decoding this engine does under load). `treegraft` is what the server runs by default: for the
+embedded pair the scheduler fitted for this device (as `treegraft serve` and `treegraft eval` fit it), at the
+budget it was fitted for unless `--budget` says otherwise; the shallow-tree heuristic for the tiny pair.
+`@fixed` runs a method without the load-adapted budget (Resources.adapt_budget=False), to show what the
+adaptation buys. Each cell: total generated tokens per
 second over all requests, and per-request latency (submit to result; mean and 90th percentile). Every
 output is compared with `ar`'s at the same concurrency and prompt: `exact` or, in bf16, a near-tie of the
 target's logits is what lossless decoding may give (lossless.classify, with the target loaded after the runs);
@@ -51,6 +53,25 @@ def pair_paths(kind: str, folder: str):
     model, tok = tiny_model("llama", init=0.4), char_tokenizer()
     return (save_tiny(Path(folder) / "t", model, tok), save_tiny(Path(folder) / "m", perturbed_copy(model, 0.2, 1), tok),
             tok)
+
+
+def served_default(kind: str, t_path: str, m_path: str, dtype: str, threads: int | None):
+    """The policy `treegraft serve` gives its default method for this pair, found as the server finds it: for
+    the embedded pair the scheduler fitted for this device (`fit_device_scheduler` in a Ray task on the
+    target's resources; measured and fitted on first use, then read from the cache); for the tiny pair, which
+    ships no trajectories, the shallow-tree heuristic. Returns (policy, the budget the server would verify at,
+    a line that says which)."""
+    if kind != "embedded":
+        return ShallowTreeHeuristic(), TreeConfig().budget, "the shallow-tree heuristic (no trajectories ship)"
+    from jobs.serve import fit_device_scheduler
+    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
+    from treegraft_dist.scheduling.device import PROFILE_KEY
+
+    task = ray.remote(num_cpus=1, max_calls=1)(fit_device_scheduler)
+    policy = ray.get(task.remote((DEFAULT_TARGET, DEFAULT_MIDDLE), t_path, m_path, "cpu", dtype, None, threads))
+    profile = policy.info.cost_profile
+    return policy, int(profile["budget"]), (f"the scheduler fitted for this device ({profile.get(PROFILE_KEY)}), "
+                                            f"budget {profile['budget']}, call cap {profile.get('call_cap')}")
 
 
 def bench_prompts(tok, n: int) -> list[list[int]]:
@@ -101,7 +122,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--methods", default="ar,all-small,all-small@fixed,01001")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--budget", type=int, default=TreeConfig().budget)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="nodes verified per round (default: what the server would verify at)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every concurrency's methods this many times, each time in the next rotation of "
                          "their order; the table gives the median tokens/s (the box drifts between cells)")
@@ -118,6 +140,10 @@ def main() -> None:
         t_path, m_path, tok = pair_paths(args.pair, d)
         eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
         prompts = bench_prompts(tok, max(levels))
+        default, budget, which = served_default(args.pair, t_path, m_path, args.dtype,
+                                                args.threads or for_device("cpu", 1).torch_threads)
+        args.budget = args.budget or budget
+        print(f"treegraft: {which}; budget {args.budget}", flush=True)
         tree = TreeConfig(budget=args.budget)
         engines = {}
         for adapt in sorted({not m.endswith("@fixed") for m in methods}):
@@ -132,7 +158,7 @@ def main() -> None:
                 for rep in range(args.repeats):
                     for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
                         name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
-                        method = ShallowTreeHeuristic() if name == "treegraft" else name  # serve's default
+                        method = default if name == "treegraft" else name
                         gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, method, eos)
                         acc = statistics.mean(g.stats.mean_accepted for g in gens)
                         size = statistics.mean(n for g in gens for n in g.stats.tree_sizes or [1])

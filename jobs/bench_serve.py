@@ -10,8 +10,9 @@ generate` runs) and a `DistributedEngine` on a local Ray cluster with `for_devic
 precision (`--dtype auto` is resolved once here and both sides are given its result) and on the same kernels
 (`--linear same`: the linear path and the middle's int8 choice this process's probes pick, set in
 $TREEGRAFT_LINEAR and $TREEGRAFT_DRAFT_INT8 for the workers too; each process probes on its own otherwise, and a
-near tie can send them different ways). `treegraft` is the server's default method, the shallow-tree heuristic
-at `--budget` nodes, on both sides. Every request is timed from the caller (for the engine: submit to result,
+near tie can send them different ways). `treegraft` is the server's default method on both sides: for the
+embedded pair the scheduler fitted for this device, found as `treegraft serve` finds it, at the budget it was
+fitted for (`--budget` overrides); the shallow-tree heuristic for the tiny pair. Every request is timed from the caller (for the engine: submit to result,
 every actor call included); each side and method is warmed up once, untimed, before any timed request (kernels,
 probes, the target's forward timing the heuristic reads). Within a repeat each prompt runs on every side in
 turn, the order rotated every repeat, so a neighbour's load falls on all alike; the ratio to in-process is taken
@@ -49,19 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import for_device  # noqa: E402
-from jobs.bench_batching import bench_prompts, pair_paths  # noqa: E402
+from jobs.bench_batching import bench_prompts, pair_paths, served_default  # noqa: E402
 from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
 from treegraft_dist.decoding.engine import AR_METHOD, Decoder  # noqa: E402
-from treegraft_dist.decoding.schedule import ShallowTreeHeuristic  # noqa: E402
 from treegraft_dist.models import compact, kernels, precision  # noqa: E402
 from treegraft_dist.models.loading import DTYPES, check_pair, load_model, pick_dtype  # noqa: E402
 
 IN_PROCESS, SERVED = "in-process", "served"
-
-
-def policy(method: str):
-    """The method as both sides are given it: `treegraft` is the server's default policy."""
-    return ShallowTreeHeuristic() if method == "treegraft" else method
 
 
 def resident_gb(pid: int | None = None) -> float:
@@ -110,7 +105,7 @@ def set_model_threads(engine: DistributedEngine, threads: int) -> None:
              for h in (*handles["target"], handles["middle"]) if h is not None])
 
 
-def served_on(engine: DistributedEngine, threads: int, usual: int, eos: tuple[int, ...]):
+def served_on(engine: DistributedEngine, threads: int, usual: int, eos: tuple[int, ...], policy):
     """A side that runs a request on the engine with its model actors switched to `threads` torch threads."""
 
     def run(prompt, n, method):
@@ -136,7 +131,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default="ar,treegraft")
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
-    ap.add_argument("--budget", type=int, default=TreeConfig().budget)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="nodes verified per round (default: what the server would verify at)")
     ap.add_argument("--served-threads", type=int, default=None,
                     help="torch threads of the engine's model actors (default: for_device's)")
     ap.add_argument("--also-threads", type=int, default=None,
@@ -158,13 +154,20 @@ def main() -> None:
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet ray.init starts
     ray.init(num_cpus=os.cpu_count(), object_store_memory=300 * 1024**2, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
-    tree = TreeConfig(budget=args.budget)
     res = for_device("cpu", 1)
     if args.served_threads is not None:
         res = dataclasses.replace(res, torch_threads=args.served_threads)
     rows: dict[tuple[str, str], list] = {}
     with tempfile.TemporaryDirectory() as d:
         t_path, m_path, tok = pair_paths(args.pair, d)
+        default, budget, which = served_default(args.pair, t_path, m_path, dtype_name, res.torch_threads)
+        args.budget = args.budget or budget
+        print(f"treegraft: {which}; budget {args.budget}", flush=True)
+        tree = TreeConfig(budget=args.budget)
+
+        def policy(method: str):
+            return default if method == "treegraft" else method
+
         eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
         prompts = bench_prompts(tok, args.prompts)
         # The engine first: its workers' loading peaks (file pages and the copies made from them) do not meet
@@ -182,7 +185,7 @@ def main() -> None:
                      SERVED: lambda p, n, m: engine.generate(p, n, policy(m), eos)}
             if args.also_threads is not None:
                 sides[f"served, {args.also_threads} threads"] = served_on(engine, args.also_threads,
-                                                                           facts["target"]["threads"], eos)
+                                                                           facts["target"]["threads"], eos, policy)
             for m in methods:  # warm-up, untimed
                 for run in sides.values():
                     run(prompts[0], 4, m)

@@ -111,8 +111,9 @@ class OpenAIServer:
     model names as `treegraft generate` takes them (a folder, a hub id, or an embedded name; `middle`
     "none" drafts with n-grams only), `model_name` the name clients use (default: the target's),
     `method` the default decoding method, `scheduler` a fitted scheduler artifact for the method
-    "treegraft" (default: the one fitted for this replica's device from the trajectories shipped for the
-    pair, as `treegraft eval` does; the shallow-tree heuristic where none ship), `budget` nodes verified
+    "treegraft" (default: the one fitted for this replica's device from `trajectories`, a `treegraft collect`
+    folder of this pair, or from those shipped for the pair, as `treegraft eval` does; the shallow-tree
+    heuristic where none ship), `budget` nodes verified
     per round (default: the fitted scheduler's), `queue_timeout` the seconds a request may wait for room
     to run, `api_key` the bearer token clients must send (default: $TREEGRAFT_API_KEY; none: open)."""
 
@@ -120,7 +121,7 @@ class OpenAIServer:
                  tp: int = 1, device: str = "auto", dtype: str = "auto", method: str = "treegraft",
                  scheduler: str | None = None, budget: int | None = None, max_requests: int = 8,
                  max_queued: int = 64, max_tokens: int = 256, queue_timeout: float = 60.0,
-                 api_key: str | None = None, cache_dir: str | None = None):
+                 api_key: str | None = None, trajectories: str | None = None, cache_dir: str | None = None):
         from actors import DistributedEngine
         from actors.resources import for_device
         from treegraft_dist.cli import resolve_pair
@@ -131,7 +132,8 @@ class OpenAIServer:
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= tp + (m_src is not None) else "cpu"
         resources = for_device(device, tp, max_requests=max_requests, queue_timeout_s=queue_timeout)
-        self.policy = self._treegraft_policy(scheduler, (target, middle), t_src, m_src, resources, dtype, cache_dir)
+        self.policy = self._treegraft_policy(scheduler, trajectories, (target, middle), t_src, m_src, resources,
+                                             dtype, cache_dir)
         cfg = TreeConfig() if budget is None else TreeConfig(budget=budget)
         fitted = getattr(self.policy, "info", None)
         if fitted is not None and budget is None:
@@ -159,10 +161,12 @@ class OpenAIServer:
                  f"budget {cfg.budget}, at most {max_requests} running and {max_queued} waiting "
                  f"{queue_timeout:g} s; {'API key required' if self.api_key else 'no API key'}")
 
-    def _treegraft_policy(self, scheduler: str | None, pair, t_src, m_src, resources, dtype, cache_dir):
+    def _treegraft_policy(self, scheduler: str | None, trajectories: str | None, pair, t_src, m_src, resources,
+                          dtype, cache_dir):
         """The policy of the method "treegraft": the given artifact, else the scheduler fitted for this
-        device (measured and fitted in a task on the target's resources on first use, cached beside the
-        models), else the shallow-tree heuristic; the replica's log names which and why."""
+        device from `trajectories` or the shipped ones (measured and fitted in a task on the target's
+        resources on first use, cached beside the models), else the shallow-tree heuristic; the replica's log
+        names which and why."""
         from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
         from treegraft_dist.scheduling.artifact import load_artifact
         from treegraft_dist.scheduling.device import PROFILE_KEY, shipped_trajectories
@@ -172,7 +176,10 @@ class OpenAIServer:
             log.info(f"treegraft: scheduler {scheduler} (fitted for "
                      f"{policy.info.cost_profile.get(PROFILE_KEY, 'an unrecorded profile')})")
             return policy
-        if m_src is None or shipped_trajectories(pair) is None:
+        if trajectories is not None and m_src is None:
+            raise ValueError("trajectories fit the scheduler of a middle drafter, and middle is none: give the "
+                             "middle drafter they were collected with, or leave trajectories out")
+        if trajectories is None and (m_src is None or shipped_trajectories(pair) is None):
             log.info(f"treegraft: no scheduler trajectories ship for {pair}: the method treegraft runs the "
                      "shallow-tree heuristic (fit one with `treegraft collect` and `treegraft fit`, then pass "
                      "scheduler)")
@@ -182,12 +189,18 @@ class OpenAIServer:
                      "target does not fit: the method treegraft runs the shallow-tree heuristic (pass a "
                      "scheduler fitted for this device)")
             return ShallowTreeHeuristic()
-        task = ray.remote(fit_device_scheduler).options(
-            num_cpus=resources.target_cpus, num_gpus=resources.target_gpus, max_calls=1)
-        policy = ray.get(task.remote(pair, t_src, m_src, resources.device, dtype, cache_dir, resources.torch_threads))
+        task = ray.remote(num_cpus=resources.target_cpus, num_gpus=resources.target_gpus, max_calls=1)(
+            fit_device_scheduler)  # max_calls=1: the worker, and the models it loaded, go once it returns
+        policy = ray.get(task.remote(pair, t_src, m_src, resources.device, dtype, cache_dir, resources.torch_threads,
+                                     trajectories))
+        if policy is None:
+            log.info("treegraft: the trajectories were collected with other tree settings than the engine's: the "
+                     "method treegraft runs the shallow-tree heuristic")
+            return ShallowTreeHeuristic()
         profile = policy.info.cost_profile
-        log.info(f"treegraft: scheduler fitted for this device ({profile.get(PROFILE_KEY)}) at budget "
-                 f"{profile.get('budget')}, call cap {profile.get('call_cap')}")
+        source = trajectories or shipped_trajectories(pair).name
+        log.info(f"treegraft: scheduler fitted for this device ({profile.get(PROFILE_KEY)}) from {source} at "
+                 f"budget {profile.get('budget')}, call cap {profile.get('call_cap')}")
         return policy
 
     def _check_method(self, method: str) -> None:
@@ -444,10 +457,10 @@ class OpenAIServer:
 
 
 def fit_device_scheduler(pair, target_src: str, middle_src: str, device: str, dtype: str, cache_dir: str | None,
-                         threads: int | None):
-    """The scheduler fitted for this device (a Ray task on the target's resources: the cost profile is
-    measured with the models loaded here, as the engine's actors run them). Cached beside the models, so
-    only a replica's first start on a device measures and fits."""
+                         threads: int | None, trajectories: str | None = None):
+    """The scheduler fitted for this device from `trajectories` or those shipped for `pair` (a Ray task on
+    the target's resources: the cost profile is measured with the models loaded here, as the engine's actors
+    run them). Cached beside the models, so only a replica's first start on a device measures and fits."""
     import torch
 
     from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
@@ -462,8 +475,9 @@ def fit_device_scheduler(pair, target_src: str, middle_src: str, device: str, dt
     middle = load_model(middle_src, device, dtype, target.tokenizer, drafter=True)
     context = chat_prompt(target.tokenizer, [builtin(COST_CONTEXT_BENCHMARK)[-1].turns[0]], [])
     found = resolve_scheduler(None, tuple(pair), target.lm, target.source, middle.lm, middle.source,
-                              cache_root(cache_dir), context, TreeConfig(), lambda m: print(m, file=sys.stderr))
-    return found[0]
+                              cache_root(cache_dir), context, TreeConfig(), lambda m: print(m, file=sys.stderr),
+                              trajectories)
+    return None if found is None else found[0]
 
 
 def ray_metric_kinds() -> dict:

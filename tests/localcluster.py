@@ -11,6 +11,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -46,9 +47,17 @@ def stop(temp: str) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+class Head(NamedTuple):
+    env: dict  # the environment its command line tools need
+    gcs: str  # the GCS address (host:port)
+    dashboard: str | None  # the dashboard's URL, if it runs one
+    temp: str  # its temporary folder, which names all its processes
+    metrics: str  # the URL of Ray's Prometheus endpoint on this node
+
+
 @contextmanager
 def head_node(dashboard: bool):
-    """(environment, GCS address, dashboard address or None, temporary folder) of a head node on free ports."""
+    """The `Head` of a head node on free ports."""
     temp = tempfile.mkdtemp(prefix="tg-ray-")  # short: Ray's socket paths must fit in 107 bytes
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
            "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -56,16 +65,18 @@ def head_node(dashboard: bool):
     gcs, dash = free_port(), free_port()
     # Every port named: the defaults (the dashboard agent's 52365, the client server's 10001) may be taken
     # by another Ray instance on this machine, and then the job agent never comes up.
-    ports = [f"--{name}={free_port()}" for name in (
+    metrics = free_port()
+    ports = [f"--metrics-export-port={metrics}", *(f"--{name}={free_port()}" for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
+        "ray-client-server-port", "node-manager-port", "object-manager-port"))]
     web = ([f"--include-dashboard=true", "--dashboard-host", "127.0.0.1", f"--dashboard-port={dash}"] if dashboard
            else ["--include-dashboard=false"])
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={gcs}", *ports, "--num-cpus", "2", *web,
                         "--temp-dir", temp, "--disable-usage-stats"], env=env, check=True, capture_output=True,
                        timeout=180)
-        yield env, f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}" if dashboard else None, temp
+        yield Head(env, f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}" if dashboard else None, temp,
+                   f"http://127.0.0.1:{metrics}/metrics")
     finally:
         stop(temp)
         shutil.rmtree(temp, ignore_errors=True)

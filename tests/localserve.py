@@ -7,6 +7,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import yaml
@@ -16,11 +17,18 @@ from tiny import char_tokenizer, perturbed_copy, save_tiny
 REPO = Path(__file__).resolve().parents[1]
 
 
+class Served(NamedTuple):
+    base: str  # the server's URL
+    tok: object  # the tokenizer of the tiny pair
+    log: Path  # what `serve run` printed, the replica's log lines included
+    temp: str  # the Ray cluster's folder (kill_actors takes it)
+    ray_metrics: str  # the URL of Ray's Prometheus endpoint on the cluster's node
+
+
 @contextmanager
 def serve_tiny(root: Path, target, name: str, env_vars: dict | None = None, **args):
-    """(base URL, tokenizer, log path, cluster folder) of serve.yaml's application on `target` and a perturbed copy as the
-    middle drafter, on CPU in fp32, one replica; `args` override the application's, `env_vars` are the
-    replicas' environment."""
+    """The `Served` of serve.yaml's application on `target` and a perturbed copy as the middle drafter, on CPU
+    in fp32, one replica; `args` override the application's, `env_vars` are the replicas' environment."""
     tok = char_tokenizer()
     t_dir = save_tiny(root / "target", target, tok)
     m_dir = save_tiny(root / "middle", perturbed_copy(target, 0.2, 1), tok)
@@ -36,13 +44,13 @@ def serve_tiny(root: Path, target, name: str, env_vars: dict | None = None, **ar
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     log = root / "serve.log"
-    with head_node(dashboard=False) as (env, gcs, _, temp):
-        proc = subprocess.Popen([str(BIN / "serve"), "run", str(path), "--address", gcs], cwd=REPO, env=env,
+    with head_node(dashboard=False) as head:
+        proc = subprocess.Popen([str(BIN / "serve"), "run", str(path), "--address", head.gcs], cwd=REPO, env=head.env,
                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
             wait_until_serving(proc, base, log, time.monotonic() + 240)
-            yield base, tok, log, temp
+            yield Served(base, tok, log, head.temp, head.metrics)
         finally:
             proc.terminate()
             try:

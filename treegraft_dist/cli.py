@@ -463,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="auto")
     v.add_argument("--method", default="treegraft", help="default decoding method; a request's \"method\" overrides it")
     v.add_argument("--scheduler", default=None, metavar="PATH", help="scheduler artifact for the method treegraft")
+    v.add_argument("--trajectories", default=None, metavar="DIR",
+                   help="fit the method treegraft's scheduler for this device from these `treegraft collect` "
+                        "trajectories of the pair (default: the ones shipped for it, if any)")
     v.add_argument("--budget", type=int, default=None, help="nodes verified per round")
     v.add_argument("--max-requests", type=int, default=8, help="requests decoded at once (default %(default)s)")
     v.add_argument("--max-queued", type=int, default=64, help="requests that may wait; more get 429 (default %(default)s)")

@@ -327,6 +327,26 @@ def test_prometheus_metrics(server, client):
     assert _value(text, "treegraft_target_group_rebuilds") >= 0
 
 
+def test_ray_metrics_endpoint_has_the_series(server, client):
+    """The same series through Ray's metrics, read where a cluster's Prometheus reads them: Ray's metrics
+    endpoint on the node (its agent exports what the replica recorded every few seconds)."""
+    client.completions.create(model=NAME, prompt="ray metrics", max_tokens=6, temperature=0)
+    wanted = ('ray_treegraft_requests_total{', 'ray_treegraft_generated_tokens_total{', "ray_treegraft_requests_running{",
+              "ray_treegraft_requests_waiting{", "ray_treegraft_kv_cache_usage{", "ray_treegraft_target_group_rebuilds{",
+              "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total{", "ray_treegraft_request_queue_time_seconds_count{",
+              "ray_treegraft_e2e_request_latency_seconds_count{")
+    text, deadline = "", time.monotonic() + 90
+    while not all(w in text for w in wanted) and time.monotonic() < deadline:
+        time.sleep(2)
+        text = httpx.get(server.ray_metrics, timeout=10).text
+    missing = [w for w in wanted if w not in text]
+    assert not missing, f"{missing} not at Ray's endpoint; its treegraft lines: " + "\n".join(
+        line for line in text.splitlines() if "treegraft" in line or "vllm" in line)[:3000]
+    ok = [line for line in text.splitlines() if line.startswith("ray_treegraft_requests_total{")
+          and 'outcome="ok"' in line and 'endpoint="completions"' in line]
+    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1, ok
+
+
 def _value(text: str, series: str) -> float:
     m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
     assert m, f"{series} not in the metrics:\n{text[:3000]}"
@@ -334,28 +354,47 @@ def _value(text: str, series: str) -> float:
 
 
 def test_treegraft_serve_starts_the_same_application(tmp_path, target):
-    """`treegraft serve` on a local Ray of its own: the models endpoint, one completion equal to plain
-    decoding, then Ctrl-C stops it."""
+    """`treegraft serve` on a local Ray of its own, given trajectories of its pair: the replica fits the
+    scheduler for its device (in a Ray task, cached in --cache-dir) and names it in its log, the default method
+    runs it and equals plain decoding, the models endpoint answers, then Ctrl-C stops it."""
     import os
     import signal
 
+    from tiny import write_trajectories
+
+    from treegraft_dist.decoding.config import TreeConfig
+    from treegraft_dist.decoding.costs import CostModel
+    from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+
     tok = char_tokenizer()
+    middle = perturbed_copy(target, 0.2, 1)
     t_dir = save_tiny(tmp_path / "target", target, tok)
-    m_dir = save_tiny(tmp_path / "middle", perturbed_copy(target, 0.2, 1), tok)
+    m_dir = save_tiny(tmp_path / "middle", middle, tok)
+    prompts = [(b, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-40:]) for b in ("gsm8k", "qa")
+               for q in builtin(b)[:3]]
+    cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
+    traj = write_trajectories(tmp_path / "traj", CausalLM(target), CausalLM(middle), (t_dir, m_dir), prompts,
+                              TreeConfig(), cost, (1, 4, 16), 8)
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([str(BIN / "treegraft"), "serve", "--target", t_dir, "--middle", m_dir, "--model-name",
-                             NAME, "--port", str(port), "--dtype", "float32"], env=env, stdout=log.open("w"),
+                             NAME, "--port", str(port), "--dtype", "float32", "--trajectories", str(traj),
+                             "--cache-dir", str(tmp_path / "cache")], env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 420
         wait_until_serving(proc, base, log, deadline)
+        assert re.search(r"scheduler fitted for this device \(.*float32.*\) from .*traj at budget \d+",
+                         log.read_text()), log.read_text()[-6000:]
+        assert len(list((tmp_path / "cache" / "schedulers").glob("*.npz"))) == 1
         body = {"model": NAME, "prompt": "hello", "max_tokens": 10, "temperature": 0}
-        text = httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-        assert text == tok.decode(oracle(target, tok("hello")["input_ids"], 10), skip_special_tokens=True)
+        resp = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+        assert resp["choices"][0]["text"] == tok.decode(oracle(target, tok("hello")["input_ids"], 10),
+                                                        skip_special_tokens=True)
+        assert httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"] == NAME
         while "treegraft: serving on" not in log.read_text():  # the endpoint can answer before serve.run returns
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
             time.sleep(0.5)

@@ -26,7 +26,7 @@ BUDGETS = [4, 16]
 @pytest.fixture(scope="module")
 def cluster():
     """(environment, dashboard address) of a head node on free ports; its job server takes submissions."""
-    with head_node(dashboard=True) as (env, _, dashboard, _):
+    with head_node(dashboard=True) as (env, _, dashboard, *_):
         yield env, dashboard
 
 

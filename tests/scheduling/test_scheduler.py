@@ -80,6 +80,18 @@ def test_fast_decide_agrees_with_the_torch_module(subset):
     assert sched.decide(x[0].astype(np.float64), 0) == sched.decide(x[0], 0)
 
 
+def test_a_scheduler_through_rays_object_store_decides_as_before(ray_cluster):
+    """What a Ray task returns, or an actor receives, is rebuilt on read-only views of the object store: the
+    forward's buffers must still be writable (the served default and `fit_device_scheduler` go this way)."""
+    import ray
+
+    sched = random_scheduler(2, SIGNAL_NAMES)
+    x = random_signals(200, 3)
+    back = ray.get(ray.put(sched))
+    remote = ray.get(ray.remote(lambda s, rows: [s.margin(r) for r in rows]).remote(sched, x))
+    assert [back.margin(r) for r in x] == [sched.margin(r) for r in x] == remote
+
+
 def test_signals_outside_the_subset_are_not_read():
     sched = random_scheduler(3, value.CANDIDATE_SUBSETS["ratio-only"])
     x = random_signals(50, 4)

@@ -146,6 +146,12 @@ class LearnedScheduler:
         self.extra_arrays: dict[str, np.ndarray] = {}
         self.extra_meta: dict = {}
 
+    def __setstate__(self, state: dict) -> None:
+        # Arrays that arrive through Ray's object store are read-only views of it: the forward's buffers
+        # must be this instance's own.
+        self.__dict__.update(state)
+        self._h1, self._h2 = np.empty_like(self._h1), np.empty_like(self._h2)
+
     def call_cap_at(self, budget: int) -> int | None:
         """The per-round call cap this scheduler was fitted with, where it runs at the budget it was fitted
         for (None otherwise, or for an artifact that records none). Its margins assume exactly that cap: the

@@ -90,15 +90,19 @@ def same_drafting(a: TreeConfig, b: TreeConfig) -> bool:
 
 
 def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source: str, middle: CausalLM,
-                         middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig, log=print
-                         ) -> tuple[LearnedScheduler, ValueHeads] | None:
-    """The scheduler fitted for this device from the trajectories shipped for `pair`: loaded from the cache,
-    or measured and fitted now and cached. None where none ship for the pair or they were collected with
-    other tree settings than `tree` (their accepted lengths would not be this engine's)."""
-    folder = shipped_trajectories(pair)
+                         middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig, log=print,
+                         trajectories: str | Path | None = None) -> tuple[LearnedScheduler, ValueHeads] | None:
+    """The scheduler fitted for this device from `trajectories` (a `treegraft collect` folder of this pair),
+    else from those shipped for `pair`: loaded from the cache, or measured and fitted now and cached. None
+    where none ship for the pair or they were collected with other tree settings than `tree` (their accepted
+    lengths would not be this engine's)."""
+    folder = Path(trajectories) if trajectories is not None else shipped_trajectories(pair)
     if folder is None:
         return None
     traj = read_trajectories(folder)
+    if trajectories is not None and tuple(traj.manifest.get("pair") or ()) != tuple(pair):
+        raise ValueError(f"trajectories {str(folder)!r} were collected for the pair {traj.manifest.get('pair')}, "
+                         f"not {list(pair)}: collect them for this pair with `treegraft collect`")
     collected = TreeConfig(**traj.manifest["tree"])
     if not same_drafting(collected, tree):
         log(f"the shipped trajectories were collected with other tree settings ({collected}) than these ({tree})")
@@ -124,12 +128,15 @@ def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source:
 
 def resolve_scheduler(path: str | Path | None, pair: tuple[str, str] | None, target: CausalLM, target_source: str,
                       middle: CausalLM, middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig,
-                      log=print) -> tuple[LearnedScheduler, ValueHeads | None] | None:
+                      log=print, trajectories: str | Path | None = None
+                      ) -> tuple[LearnedScheduler, ValueHeads | None] | None:
     """The `treegraft` method's scheduler: the artifact at `path` (refused unless fitted for this device's
-    profile), else the one fitted here from the trajectories shipped for `pair`; None if neither exists."""
+    profile), else the one fitted here from `trajectories` or those shipped for `pair`; None if neither
+    exists."""
     key = profile_key(target, target_source, middle, middle_source)
     if path is not None:
         scheduler, heads = load_artifact(path, expect_pair=pair)
         check_profile(scheduler, key, f"scheduler artifact {str(path)!r}")
         return scheduler, heads
-    return scheduler_for_device(pair, target, target_source, middle, middle_source, cache_dir, context, tree, log)
+    return scheduler_for_device(pair, target, target_source, middle, middle_source, cache_dir, context, tree, log,
+                                trajectories)
