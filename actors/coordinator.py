@@ -337,6 +337,28 @@ class Coordinator:
             self._active += 1
         return need
 
+    def warm(self) -> dict:
+        """Measure now what the first requests would otherwise wait for: the forward times a signal-reading
+        policy needs and, where trees shrink under load, the pass costs that size them. A server calls this
+        before it answers, so its first users do not pay for it."""
+        if self.middle_path is not None:
+            _ = self.timings
+        if self.res.adapt_budget and self.res.max_requests > 1:
+            self._pass_costs(self.cfg)
+        return {"t_tgt_ms": None if self._timings is None else self._timings.t_tgt_ms,
+                "t_mid_ms": None if self._timings is None else self._timings.t_mid_ms,
+                "pass_ms": None if self._load_budget is None else
+                dict(zip(self._load_budget.sizes.astype(int).tolist(), self._load_budget.ms.tolist()))}
+
+    def _pass_costs(self, cfg: TreeConfig) -> LoadBudget:
+        if self._load_budget is None:
+            with self._measuring:  # measured once; not under self._lock
+                if self._load_budget is None:
+                    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(2, self.res.max_batch_rows)]
+                    costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
+                    self._load_budget = LoadBudget(cfg.budget, costs)
+        return self._load_budget
+
     def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float]) -> int:
         """This round's tree size: cfg.budget alone, smaller as more requests share the target's passes.
         `spent`: the request's drafting seconds so far, as last seen here. Drafting time a round is a
@@ -349,13 +371,7 @@ class Coordinator:
         spent[0] = now
         if self._active <= 1 and self._load_budget is None:
             return cfg.budget
-        if self._load_budget is None:
-            with self._measuring:  # measured once, when passes are first shared; not under self._lock
-                if self._load_budget is None:
-                    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(2, self.res.max_batch_rows)]
-                    costs = self.target.call(self.target.wait_ready(), "pass_costs", sizes, check=False)
-                    self._load_budget = LoadBudget(cfg.budget, costs)
-        lb = self._load_budget
+        lb = self._pass_costs(cfg)  # measured when passes are first shared, unless warm() measured them
         with self._lock:
             while self.batcher.unread:  # what passes really cost, shared as they are
                 lb.observe_pass(*self.batcher.unread.popleft())

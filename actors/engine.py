@@ -97,6 +97,10 @@ class DistributedEngine:
         except Exception:  # a dead or stuck coordinator, or none (shut down)
             return dict(DEAD)
 
+    def warm(self) -> dict:
+        """Measure what the first requests would wait for (Coordinator.warm); what it measured."""
+        return _get(self.coordinator.warm.remote())
+
     def progress(self) -> dict[int, int]:
         """Tokens generated so far by each request in flight."""
         return ray.get(self.coordinator.progress.remote())

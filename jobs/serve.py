@@ -148,6 +148,10 @@ class OpenAIServer:
                                  info.max_positions - cfg.max_tree_depth - 1, self.eos_ids, max_tokens)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.engine = DistributedEngine(t_src, m_src, cfg, resources, dtype=dtype)
+        warm = self.engine.warm()  # the first requests would wait for these measurements
+        log.info(f"treegraft: measured the target's forward at {warm['t_tgt_ms'] or 0:.0f} ms, the middle's at "
+                 f"{warm['t_mid_ms'] or 0:.0f} ms over {cfg.budget} nodes; pass costs for sizing under load "
+                 f"{'measured' if warm['pass_ms'] else 'not needed'}")
         self.max_queued, self.queue_timeout = max_queued, queue_timeout
         self.slots = asyncio.Semaphore(max_requests)
         self.running = self.waiting = 0

@@ -53,3 +53,15 @@ def test_a_cpu_engine_runs_its_models_on_a_plain_process_threads_and_its_coordin
     assert threads(actors["middle"]) == expected
     assert threads(engine.coordinator) == 1
     assert len(engine.generate([5, 6, 7, 8, 5, 6, 7], 6, "all-mid").tokens) == 6
+
+
+def test_warm_measures_what_first_requests_would_wait_for_once(engine):
+    """warm() takes the forward times and the load-sizing pass costs before any request; requests then use
+    those measurements (the target's pass count grows by their own passes only)."""
+    warm = engine.warm()
+    assert warm["t_tgt_ms"] > 0 and warm["t_mid_ms"] > 0
+    assert engine.load_state()["pass_ms"] == warm["pass_ms"] and 1 in warm["pass_ms"]
+    before = engine.target_passes()[0]
+    engine.generate([5, 6, 7, 8], 3, "ar")
+    assert engine.target_passes()[0] - before <= 3  # prefill and two steps: nothing measured again
+    assert engine.warm() == warm
