@@ -120,7 +120,8 @@ class Coordinator:
 
     def _spawn_ngram(self):
         cfg = self.cfg
-        return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain), NGRAM_BUNDLE,
+        return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain,
+                                    self.res.history_tokens), NGRAM_BUNDLE,
                           self.res.ngram_cpus, 0, "cpu")
 
     def _middle_died(self, host) -> None:

@@ -23,7 +23,7 @@ from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import forward_ms
 from treegraft_dist.decoding.engine import Drafting, draft_layer, draft_layers
 from treegraft_dist.decoding.neural import NeuralDrafter
-from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache
+from treegraft_dist.decoding.ngram import HistoryIndex, NGramDrafter, PrefillCache
 from treegraft_dist.decoding.schedule import SchedulePolicy
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import DraftTree, Proposal
@@ -39,12 +39,16 @@ class NGramSpec:
     chain: int
     depth: int
     long_chain: int
+    history_tokens: int = 0  # > 0: the host keeps a HistoryIndex of finished requests this big
 
     def load(self, device: str):
         return None
 
     def new(self, lm) -> NGramDrafter:
         return NGramDrafter(self.top_k, self.max_n, self.chain, self.depth, self.long_chain)
+
+    def history(self) -> HistoryIndex | None:
+        return HistoryIndex(self.history_tokens, self.max_n) if self.history_tokens > 0 else None
 
 
 @dataclass(frozen=True)
@@ -80,12 +84,16 @@ class DrafterHost:
         self.lm = spec.load(device)
         self.drafters: dict[int, object] = {}
         self.rounds: dict[int, RoundSpec] = {}
+        # The n-gram host's memory of finished requests (prompt and output), which its drafters also match.
+        self.history = spec.history() if isinstance(spec, NGramSpec) else None
 
     def ready(self) -> bool:
         return True
 
     def start(self, rid: int, prompt: list[int], prefill: PrefillCache | None, rounds: RoundSpec | None = None) -> None:
         d = self.drafters[rid] = self.spec.new(self.lm)
+        if self.history is not None:
+            d.history = self.history
         d.start(prompt, prefill)
         if rounds is not None:
             self.rounds[rid] = rounds
@@ -111,8 +119,15 @@ class DrafterHost:
         self.drafters[rid].prefetch(root)
 
     def release(self, rid: int) -> None:
-        self.drafters.pop(rid, None)
+        d = self.drafters.pop(rid, None)
         self.rounds.pop(rid, None)
+        if self.history is not None and d is not None:
+            self.history.add(d.index.tokens)  # the prompt and every token the target accepted
+
+    def history_state(self) -> dict:
+        """Sequences and tokens the history holds (0 and 0 without one)."""
+        h = self.history
+        return {"sequences": 0 if h is None else len(h), "tokens": 0 if h is None else h.tokens}
 
     def forward_ms(self, block: int) -> float:
         return forward_ms(self.lm, block, drafting=True)

@@ -33,7 +33,10 @@ class Resources:
     (None: measured on the target ranks after loading); a request waits until its cache fits, at most
     queue_timeout_s (None: no bound), then fails with QueueTimeout.
     middle_prefetch: the middle drafter catches up on the accepted tokens while the round's first n-gram
-    steps run (schedules that do not call it at layer 0), instead of inside its next call. Timeouts: placement_timeout_s for a placement group to be granted,
+    steps run (schedules that do not call it at layer 0), instead of inside its next call.
+    history_tokens > 0: the n-gram drafter also matches finished requests' prompts and outputs, up to this
+    many tokens of them (least recently used out; ngram.HistoryIndex); 0: each request drafts from its own.
+    Timeouts: placement_timeout_s for a placement group to be granted,
     dist_timeout_s for the torch.distributed rendezvous and any collective, load_timeout_s for the ranks to
     load their shards (a big checkpoint, a slow disk, CPU weight packing)."""
 
@@ -53,6 +56,7 @@ class Resources:
     kv_cache_gb: float | None = None
     queue_timeout_s: float | None = 60.0
     middle_prefetch: bool = True
+    history_tokens: int = 0
     placement_timeout_s: float = 30.0
     dist_timeout_s: float = 120.0
     load_timeout_s: float = 900.0
@@ -70,6 +74,10 @@ class Resources:
         for name in ("max_requests", "max_batch_rows", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0 (or None: no bound), got {self.queue_timeout_s}")
+        if self.history_tokens < 0:
+            raise ValueError(f"history_tokens must be >= 0 (0: no history), got {self.history_tokens}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0 (or None: measured), got {self.kv_cache_gb}")
 

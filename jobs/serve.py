@@ -115,23 +115,28 @@ class OpenAIServer:
     folder of this pair, or from those shipped for the pair, as `treegraft eval` does; the shallow-tree
     heuristic where none ship), `budget` nodes verified
     per round (default: the fitted scheduler's), `queue_timeout` the seconds a request may wait for room
-    to run, `api_key` the bearer token clients must send (default: $TREEGRAFT_API_KEY; none: open)."""
+    to run, `api_key` the bearer token clients must send (default: $TREEGRAFT_API_KEY; none: open),
+    `draft_history` the tokens of finished requests (prompts and outputs) the n-gram drafter also matches
+    (0: none; Resources.history_tokens)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, middle: str | None = DEFAULT_MIDDLE, model_name: str | None = None,
                  tp: int = 1, device: str = "auto", dtype: str = "auto", method: str = "treegraft",
                  scheduler: str | None = None, budget: int | None = None, max_requests: int = 8,
                  max_queued: int = 64, max_tokens: int = 256, queue_timeout: float = 60.0,
-                 api_key: str | None = None, trajectories: str | None = None, cache_dir: str | None = None):
+                 api_key: str | None = None, trajectories: str | None = None, draft_history: int = 200_000,
+                 cache_dir: str | None = None):
         from actors import DistributedEngine
         from actors.resources import for_device
         from treegraft_dist.cli import resolve_pair
 
-        if max_requests < 1 or max_queued < 0 or max_tokens < 1 or not queue_timeout > 0:
-            raise ValueError("max_requests and max_tokens must be at least 1, max_queued at least 0, queue_timeout > 0")
+        if max_requests < 1 or max_queued < 0 or max_tokens < 1 or not queue_timeout > 0 or draft_history < 0:
+            raise ValueError("max_requests and max_tokens must be at least 1, max_queued and draft_history at least "
+                             "0, queue_timeout > 0")
         t_src, t_tok, m_src, _ = resolve_pair(target, middle, cache_dir)
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= tp + (m_src is not None) else "cpu"
-        resources = for_device(device, tp, max_requests=max_requests, queue_timeout_s=queue_timeout)
+        resources = for_device(device, tp, max_requests=max_requests, queue_timeout_s=queue_timeout,
+                               history_tokens=draft_history)
         self.policy = self._treegraft_policy(scheduler, trajectories, (target, middle), t_src, m_src, resources,
                                              dtype, cache_dir)
         cfg = TreeConfig() if budget is None else TreeConfig(budget=budget)
@@ -593,7 +598,15 @@ def app_builder(args: dict):
 
 
 def run_local(args: argparse.Namespace) -> int:
-    """`treegraft serve`: the application on a local Ray cluster (or --address), until interrupted."""
+    """`treegraft serve`: the application on a local Ray cluster (or --address), until interrupted (Ctrl-C, or
+    SIGTERM as a service manager or container runtime sends it)."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)  # also where a shell started it in the background, which ignores it
     ray.init(address=args.address, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": args.host, "port": args.port})
     try:  # Ctrl-C stops it, also while the application is still starting

@@ -1,4 +1,5 @@
-"""The n-gram drafter on hand-made contexts: index matching, prefill scores, and whole drafting steps."""
+"""The n-gram drafter on hand-made contexts: index matching, prefill scores, whole drafting steps, and the
+history of earlier requests it also matches (against a brute-force scan, bounded, least recently used out)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treegraft_dist.decoding.ngram import OUTSIDE_TOPK_PENALTY, NGramDrafter, NGramIndex, PrefillCache
+from treegraft_dist.decoding.ngram import (
+    OUTSIDE_TOPK_PENALTY,
+    HistoryIndex,
+    NGramDrafter,
+    NGramIndex,
+    PrefillCache,
+)
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
 
 
@@ -300,3 +307,69 @@ def test_scores_past_the_prompt_are_zero_like_the_engine_flow():
     # still cached), 6 and 7 (beyond the prompt: 0).
     assert entries(prop) == [(0, 2), (1, 3), (2, 4), (3, 1)]
     assert prop.scores.tolist() == pytest.approx([-0.4, -0.9, -0.9, -0.9])
+
+
+# -- HistoryIndex: earlier requests ---------------------------------------------------------------------
+
+def brute_history(seqs, suffix, k, max_n, min_n):
+    """What HistoryIndex.matches must give: longest match first, then the latest occurrence (the last
+    sequence added, its last position), distinct proposed tokens."""
+    out, seen = [], set()
+    for n in range(min(max_n, len(suffix)), min_n - 1, -1):
+        for seq in reversed(seqs):
+            for p in range(len(seq) - 1, n - 1, -1):
+                if seq[p - n : p] == suffix[len(suffix) - n :] and seq[p] not in seen:
+                    seen.add(seq[p])
+                    out.append((n, p))
+                    if len(out) == k:
+                        return out
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=30), max_size=4),
+       st.lists(st.integers(0, 3), max_size=7), st.integers(1, 5), st.integers(1, 3))
+def test_history_matches_equal_a_brute_force_scan(seqs, suffix, k, min_n):
+    h = HistoryIndex(10_000, 5, min_n)
+    for seq in seqs:
+        h.add(seq)
+    got = h.matches(suffix, k)
+    assert [(n, p) for n, _, p in got] == brute_history(seqs, suffix, k, 5, min_n)
+    assert all(seq[p - n : p] == suffix[len(suffix) - n :] for n, seq, p in got)
+
+
+def test_history_keeps_at_most_its_tokens_least_recently_used_out():
+    h = HistoryIndex(25, max_n=3, min_n=3)
+    a, b, c = [1, 2, 3, 10] + [0] * 6, [4, 5, 6, 20] + [0] * 6, [7, 8, 9, 30] + [0] * 6
+    h.add(a)
+    h.add(b)
+    assert h.matches([1, 2, 3], 5)[0][2] == 3  # a is matched: now the most recently used
+    h.add(c)  # 30 tokens > 25: b, the least recently used, goes
+    assert h.tokens == 20 and len(h) == 2
+    assert h.matches([4, 5, 6], 5) == [] and h.matches([1, 2, 3], 5) and h.matches([7, 8, 9], 5)
+    for i in range(40):  # many evictions: the stale entries are dropped, matches stay right
+        h.add([100 + i, 101 + i, 102 + i, 7] + [0] * 6)
+    assert h.tokens <= 25 and h.matches([1, 2, 3], 5) == [] and h.matches([139, 140, 141], 5)[0][1][3] == 7
+    assert len(h._keys) <= 2 * 3 * 25
+    h.add(list(range(100)))  # longer than the bound: its last 25 tokens
+    (_, seq, p), = h.matches([80, 81, 82], 5)
+    assert h.tokens == 25 and seq[p] == 83 and seq[0] == 75 and h.matches([1, 2, 3], 5) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        HistoryIndex(0)
+
+
+def test_drafter_proposes_from_history_after_its_own_matches_and_chains_from_there():
+    h = HistoryIndex(1000, max_n=5, min_n=3)
+    h.add([9, 1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 47])  # an earlier request
+    d = drafter([1, 2, 3, 30, 7, 1, 2, 3], chain=4, depth=5, long_chain=0, history=h)
+    prop = d.step(DraftTree(3), np.array([0]), 1)
+    # Own context: "1 2 3" -> 30 (n=3, the request's own wins the tie) with its chain; history: "9 1 2 3"
+    # is not the suffix, "1 2 3" -> 40 (n=3) after it, no chain (only the best match carries one).
+    assert entries(prop) == [(0, 30), (1, 7), (2, 1), (3, 2), (4, 3), (0, 40)]
+    d = drafter([5, 5, 8, 9, 1, 2, 3], chain=4, depth=5, long_chain=8, history=h)
+    prop = d.step(DraftTree(3), np.array([0]), 1)
+    # Now history's match is longer (9 1 2 3): it comes first and carries the long chain, scored 0.
+    assert entries(prop)[:9] == [(0, 40), (1, 41), (2, 42), (3, 43), (4, 44), (5, 45), (6, 46), (7, 47)][:9]
+    assert prop.scores[:8].tolist() == [0.0] * 8
+    assert drafter([5, 5, 8, 9, 1, 2, 3], long_chain=8).step(DraftTree(3), np.array([0]), 1).tokens.tolist() \
+        != prop.tokens.tolist()  # without the history, nothing of it

@@ -356,7 +356,7 @@ def _value(text: str, series: str) -> float:
 def test_treegraft_serve_starts_the_same_application(tmp_path, target):
     """`treegraft serve` on a local Ray of its own, given trajectories of its pair: the replica fits the
     scheduler for its device (in a Ray task, cached in --cache-dir) and names it in its log, the default method
-    runs it and equals plain decoding, the models endpoint answers, then Ctrl-C stops it."""
+    runs it and equals plain decoding, the models endpoint answers, then SIGTERM stops it cleanly."""
     import os
     import signal
 
@@ -398,7 +398,7 @@ def test_treegraft_serve_starts_the_same_application(tmp_path, target):
         while "treegraft: serving on" not in log.read_text():  # the endpoint can answer before serve.run returns
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
             time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as a service manager stops it; Ctrl-C takes the same path
         assert proc.wait(120) == 0, log.read_text()[-6000:]
     finally:
         if proc.poll() is None:

@@ -11,11 +11,19 @@ root's best match carries up to `long_chain` tokens of what followed it, past th
 would reach. Where text repeats (code edits, summaries quoting their source) a round can then accept
 a whole copied span, as prompt lookup decoding does; a chain is cheap to verify, and pruning by score
 drops it where the target's prefill log-probs say the copy is unlikely to continue.
+
+History (beyond the paper, for a server): a `HistoryIndex` holds earlier requests' prompts and outputs,
+bounded in tokens, least recently used out. Where a node's suffix also occurs there (at least
+`HistoryIndex.min_n` tokens of it), the token that followed is proposed too, ranked after the request's own
+matches of the same length; the best match carries its chain from there, so a question asked again, a chat's
+next turn or code edited in steps can accept what an earlier request generated. Verification keeps the output
+exactly the target's whatever the history proposes.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +111,112 @@ class NGramIndex:
         return out
 
 
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # an odd 64-bit multiplier for the n-gram hash
+
+
+def _gram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """[len - n + 1] uint64: a hash of each window of n tokens (window p is tokens[p : p + n]); wraps mod 2**64."""
+    m = len(tokens) - n + 1
+    h = np.full(max(m, 0), n, np.uint64)
+    for i in range(n):
+        h = h * _MULT + tokens[i : i + m]
+    return h
+
+
+def _gram_hash(gram: list[int]) -> int:
+    """_gram_hashes of one window, in Python integers (no array overhead for a single lookup)."""
+    h = len(gram)
+    for t in gram:
+        h = (h * _MULT_INT + t) & _MASK
+    return h
+
+
+_MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
+
+
+class HistoryIndex:
+    """Earlier requests' token sequences (prompt and output) for n-gram matching across requests: every
+    n-gram of `min_n`..`max_n` tokens, by a 64-bit hash, maps to the positions that followed it, in one
+    sorted array (about 50 bytes a token, a lookup a binary search; a hash collision is checked away). At most
+    `max_tokens` tokens are kept; the least recently added or matched sequences go first (a sequence longer
+    than the bound keeps its last `max_tokens`). An evicted sequence's entries are skipped where met and
+    dropped once they outnumber the live ones. Thread-safe."""
+
+    def __init__(self, max_tokens: int, max_n: int = 5, min_n: int = 3):
+        if max_tokens < 1 or not 1 <= min_n <= max_n:
+            raise ValueError(f"a history needs max_tokens >= 1 and 1 <= min_n <= max_n, got {max_tokens}, "
+                             f"{min_n}, {max_n}")
+        self.max_tokens, self.max_n, self.min_n = max_tokens, max_n, min_n
+        self._seqs: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
+        self._keys = np.zeros(0, np.uint64)  # sorted n-gram hashes; equal ones oldest first
+        self._vals = np.zeros(0, np.uint64)  # sequence id << 32 | position of the token that followed
+        self._next_id = 0
+        self.tokens = 0
+        self._stale = 0  # entries of evicted sequences still in the arrays
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def _entries(self, sid: int, seq: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        toks = np.asarray(seq, np.uint64)
+        keys, vals = [], []
+        for n in range(self.min_n, self.max_n + 1):
+            if len(seq) > n:  # windows followed by a token
+                keys.append(_gram_hashes(toks[:-1], n))
+                vals.append((np.uint64(sid) << np.uint64(32)) | np.arange(n, len(seq), dtype=np.uint64))
+        if not keys:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+        keys, vals = np.concatenate(keys), np.concatenate(vals)
+        order = np.argsort(keys, kind="stable")
+        return keys[order], vals[order]
+
+    def add(self, tokens) -> None:
+        seq = [int(t) for t in tokens][-self.max_tokens :]
+        if len(seq) <= self.min_n:
+            return
+        with self._lock:
+            sid, self._next_id = self._next_id, self._next_id + 1
+            keys, vals = self._entries(sid, seq)
+            at = np.searchsorted(self._keys, keys, side="right")  # after equal keys: newest last
+            self._keys, self._vals = np.insert(self._keys, at, keys), np.insert(self._vals, at, vals)
+            self._seqs[sid] = seq
+            self.tokens += len(seq)
+            while self.tokens > self.max_tokens:
+                old = self._seqs.popitem(last=False)[1]
+                self.tokens -= len(old)
+                self._stale += sum(max(0, len(old) - n) for n in range(self.min_n, self.max_n + 1))
+            if 2 * self._stale > len(self._keys):
+                live = np.isin(self._vals >> np.uint64(32), np.fromiter(self._seqs, np.uint64, len(self._seqs)))
+                self._keys, self._vals, self._stale = self._keys[live], self._vals[live], 0
+
+    def matches(self, suffix: list[int], k: int) -> list[tuple[int, list[int], int]]:
+        """Up to k (match length, sequence, position of the proposed token) with distinct proposed tokens,
+        longest match first, then the latest occurrence; the sequences matched count as used."""
+        out: list[tuple[int, list[int], int]] = []
+        seen: set[int] = set()
+        if len(suffix) < self.min_n:
+            return out
+        lengths = range(min(self.max_n, len(suffix)), self.min_n - 1, -1)
+        hashes = np.array([_gram_hash(suffix[-n:]) for n in lengths], np.uint64)
+        with self._lock:
+            keys, vals, seqs = self._keys, self._vals, self._seqs
+            los, his = np.searchsorted(keys, hashes, "left").tolist(), np.searchsorted(keys, hashes, "right").tolist()
+            for n, lo, hi in zip(lengths, los, his):
+                gram = suffix[-n:]
+                for entry in vals[lo:hi][::-1].tolist():
+                    sid, p = entry >> 32, entry & 0xFFFFFFFF
+                    seq = seqs.get(sid)
+                    if seq is None or seq[p] in seen or seq[p - n : p] != gram:  # evicted, proposed, a collision
+                        continue
+                    seen.add(seq[p])
+                    out.append((n, seq, p))
+                    seqs.move_to_end(sid)
+                    if len(out) == k:
+                        return out
+        return out
+
+
 class NGramDrafter:
     """Small drafter: proposes children of frontier nodes from context n-gram matches.
 
@@ -111,12 +225,14 @@ class NGramDrafter:
 
     origin = ORIGIN_NGRAM
 
-    def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0):
+    def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0,
+                 history: HistoryIndex | None = None):
         self.top_k = top_k
         self.max_n = max_n
         self.chain = chain
         self.depth = depth
         self.long_chain = long_chain
+        self.history = history  # earlier requests' sequences, matched after this request's own context
         self.index = NGramIndex(max_n)
         self.prefill: PrefillCache | None = None
 
@@ -157,29 +273,33 @@ class NGramDrafter:
             # The context ends with the root, which the path repeats.
             head = ctx[max(0, len(ctx) - self.max_n - 1) : len(ctx) - 1]
             suffix = (head + tree.path_tokens(f, self.max_n))[-self.max_n :]
-            found = self.index.matches(suffix, k)
-            if not found:
+            # (match length, own context first, recency, prefill log-prob, sequence, position)
+            ranked = sorted(((n, 1, p, self._logprob(p, ctx[p]), ctx, p) for n, p in self.index.matches(suffix, k)),
+                            key=lambda m: (-m[0], -m[2], -m[3]))
+            if self.history is not None:  # a token both propose keeps its longer match, its own at a tie
+                both = sorted(ranked + [(n, 0, -i, 0.0, seq, p) for i, (n, seq, p)
+                                        in enumerate(self.history.matches(suffix, k))],
+                              key=lambda m: (-m[0], -m[1]))  # stable: each source keeps its own order
+                seen: set[int] = set()
+                ranked = [m for m in both if m[4][m[5]] not in seen and not seen.add(m[4][m[5]])][:k]
+            if not ranked:
                 if layer == 1 and f == 0 and self.index.most_frequent >= 0:
                     parents.append(f)
                     tokens.append(self.index.most_frequent)
                     scores.append(tree.scores[f] + (self.prefill.floor if self.prefill else 0.0))
                 continue
-            ranked = sorted(
-                ((n, p, self._logprob(p, ctx[p])) for n, p in found),
-                key=lambda m: (-m[0], -m[1], -m[2]),
-            )
-            for rank, (_, p, lp) in enumerate(ranked):
+            for rank, (_, is_own, _, lp, seq, p) in enumerate(ranked):
                 score = tree.scores[f] + lp
                 parents.append(f)
-                tokens.append(ctx[p])
+                tokens.append(seq[p])
                 scores.append(score)
                 # Only the best match carries its chain: enough depth without multiplying the tree.
                 chain_end = p + 1 + (root_chain if f == 0 else max_chain) if rank == 0 else p + 1
-                for q in range(p + 1, min(chain_end, len(ctx))):
+                for q in range(p + 1, min(chain_end, len(seq))):
                     parent = base + len(tokens) - 1
-                    score = score + self._logprob(q, ctx[q])
+                    score = score + (self._logprob(q, seq[q]) if is_own else 0.0)
                     parents.append(parent)
-                    tokens.append(ctx[q])
+                    tokens.append(seq[q])
                     scores.append(score)
         return Proposal(base, np.asarray(parents, np.int64), np.asarray(tokens, np.int64),
                         np.asarray(scores, np.float64), ORIGIN_NGRAM)
