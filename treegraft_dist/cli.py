@@ -465,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--scheduler", default=None, metavar="PATH", help="scheduler artifact for the method treegraft")
     v.add_argument("--draft-history", type=int, default=200_000, metavar="TOKENS",
                    help="tokens of finished requests (prompts and outputs) the n-gram drafter also matches, least "
-                        "recently used out, about 50 bytes each (default %(default)s; 0: none)")
+                        "recently used out, about 100 bytes each (default %(default)s; 0: none)")
     v.add_argument("--trajectories", default=None, metavar="DIR",
                    help="fit the method treegraft's scheduler for this device from these `treegraft collect` "
                         "trajectories of the pair (default: the ones shipped for it, if any)")

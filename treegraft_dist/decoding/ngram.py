@@ -137,7 +137,7 @@ _MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
 class HistoryIndex:
     """Earlier requests' token sequences (prompt and output) for n-gram matching across requests: every
     n-gram of `min_n`..`max_n` tokens, by a 64-bit hash, maps to the positions that followed it, in one
-    sorted array (about 50 bytes a token, a lookup a binary search; a hash collision is checked away). At most
+    sorted array (about 100 bytes a token with the sequence itself, a lookup a binary search; a hash collision is checked away). At most
     `max_tokens` tokens are kept; the least recently added or matched sequences go first (a sequence longer
     than the bound keeps its last `max_tokens`). An evicted sequence's entries are skipped where met and
     dropped once they outnumber the live ones. Thread-safe."""
