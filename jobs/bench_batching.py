@@ -151,7 +151,8 @@ def main() -> None:
             res = for_device("cpu", 1, max_requests=max(levels), adapt_budget=adapt, **threads)
             engines[adapt] = DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype)
         try:
-            for eng in engines.values():  # warm-up: kernels, the pass-cost profile
+            for eng in engines.values():  # warm-up: kernels, forward times, the pass-cost profile (as the server)
+                eng.warm()
                 run_cell(eng, prompts[:2], 4, "all-small", eos)
             for c in levels:
                 cells = []

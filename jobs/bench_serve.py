@@ -174,6 +174,7 @@ def main() -> None:
         # this process's.
         engine = DistributedEngine(t_path, m_path, tree, res, dtype=dtype_name)
         try:
+            engine.warm()  # as the server does before it answers
             facts = actor_facts(engine)
             before = resident_gb()
             target = load_model(t_path, "cpu", dtype_name, tok)
