@@ -396,7 +396,7 @@ class Coordinator:
             if max_new:
                 with timer.phase("prefill"):
                     first, prefill = self.batcher.prefill(gen, rid, prompt, seed, True, sampling)
-                rounds = RoundSpec(cfg, policy, context)
+                rounds = RoundSpec(cfg, policy, context, history=(sampling or self.target.sampling).greedy)
                 # A drafter call waits at most as long as a (restarted) host may take to load its model.
                 bound = self.res.load_timeout_s
                 ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds, bound),

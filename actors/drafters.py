@@ -72,6 +72,9 @@ class RoundSpec:
     cfg: TreeConfig
     policy: SchedulePolicy
     context: np.ndarray | None  # [4] context signals, when the policy reads signals
+    # Draft from the host's history too. Greedy requests only: a sampled request's output for a seed depends on
+    # the drafts it verifies, and the same seed must give the same text whatever earlier requests left there.
+    history: bool = True
 
 
 class DrafterHost:
@@ -92,7 +95,7 @@ class DrafterHost:
 
     def start(self, rid: int, prompt: list[int], prefill: PrefillCache | None, rounds: RoundSpec | None = None) -> None:
         d = self.drafters[rid] = self.spec.new(self.lm)
-        if self.history is not None:
+        if self.history is not None and (rounds is None or rounds.history):
             d.history = self.history
         d.start(prompt, prefill)
         if rounds is not None:

@@ -605,9 +605,10 @@ def run_local(args: argparse.Namespace) -> int:
     def interrupt(*_):
         raise KeyboardInterrupt
 
+    ray.init(address=args.address, include_dashboard=False, logging_level="ERROR")
+    # After ray.init, whose core installs a SIGTERM handler that aborts the process.
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)  # also where a shell started it in the background, which ignores it
-    ray.init(address=args.address, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": args.host, "port": args.port})
     try:  # Ctrl-C stops it, also while the application is still starting
         serve.run(app_builder({k: getattr(args, k) for k in SERVER_ARGS}), name="treegraft", route_prefix="/")

@@ -10,6 +10,7 @@ from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_mode
 
 from actors.engine import DistributedEngine
 from actors.resources import for_device
+from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.models.hf import CausalLM
 
 
@@ -45,7 +46,12 @@ def test_a_request_asked_again_drafts_from_the_first_and_stays_exact(pair, metho
                                                                               "tokens": len(prompt) + 40}
         again = eng.generate(prompt, 40, policy)
         other = eng.generate([50, 51, 52, 53, 54], 8, policy)  # nothing of the history matches: still exact
+        sampled = [eng.generate(prompt, 24, policy, seed=7, sampling=SamplingParams(temperature=0.9))
+                   for _ in range(2)]
     assert first.tokens == again.tokens == want
+    # A sampled request drafts from its own context only: the same seed gives the same text, whatever the
+    # first left in the history.
+    assert sampled[0].tokens == sampled[1].tokens
     assert other.tokens == hf_greedy(CausalLM(model), [50, 51, 52, 53, 54], 8)
     assert again.stats.rounds < first.stats.rounds and sum(again.stats.accepted) > sum(first.stats.accepted)
 
