@@ -9,7 +9,8 @@ first answer in its context (a chat's next turn); the first turn asked again (a 
 user with the same question). Both engines serve the same sequence of requests, one request at a time,
 taking turns request by request (their models are loaded once each; the history engine's memory builds up
 as a server's would, the other keeps nothing between requests). `treegraft` is the server's default policy
-(for the embedded pair the scheduler fitted for this device, at its budget). Every output is compared with
+(for the embedded pair the scheduler fitted for this device, at its budget, which every method verifies at,
+as on the server). Both engines run the linear path and middle int8 choice this process's probes pick. Every output is compared with
 the other engine's (both must equal the target's greedy decoding in fp32; they are the same computation
 with different drafts). Prints a Markdown table per request kind: tokens/s, rounds, accepted tokens a
 round, and the ratio with / without history; `--out` writes the rows.
@@ -25,14 +26,17 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from actors.engine import DistributedEngine  # noqa: E402
 from actors.resources import for_device  # noqa: E402
 from jobs.bench_batching import pair_paths, served_default  # noqa: E402
+from jobs.bench_serve import pin_kernels  # noqa: E402
 from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt  # noqa: E402
+from treegraft_dist.models.loading import pick_dtype  # noqa: E402
 
 KINDS = ("first turn", "second turn", "asked again")
 SIDES = ("no history", "history")
@@ -49,6 +53,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     methods = args.methods.split(",")
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = str(dtype).removeprefix("torch.")
+    # Both engines on the kernels this process's probes pick: each target worker probing on its own can land
+    # on a different linear path, and that difference would be read as the history's.
+    print(f"dtype {args.dtype}; both engines: {pin_kernels(dtype)}", flush=True)
     ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     rows = []
