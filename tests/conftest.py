@@ -17,3 +17,16 @@ def ray_cluster():
              logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """The CPU kernel choices (compact, packed) made afresh in the test and forgotten after it; the test may set
+    their environment through the monkeypatch it gets."""
+    from treegraft_dist.models import compact, kernels
+
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()
+    yield monkeypatch
+    compact.choice.cache_clear()
+    kernels.choice.cache_clear()

@@ -17,15 +17,6 @@ from treegraft_dist.models.hf import CausalLM
 pytestmark = pytest.mark.skipif(compact._extension()[0] is None, reason=str(compact._extension()[1]))
 
 
-@pytest.fixture
-def fresh_choice(monkeypatch):
-    compact.choice.cache_clear()
-    kernels.choice.cache_clear()
-    yield monkeypatch
-    compact.choice.cache_clear()
-    kernels.choice.cache_clear()
-
-
 def group_weight(n: int, k: int, group: int, seed: int, offset: bool = True) -> Groups:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-20, 21, (n, k), generator=g, dtype=torch.int8)

@@ -11,15 +11,6 @@ from treegraft_dist.models.kernels import LINEAR_ENV
 from treegraft_dist.models.loading import load_model, own_memory
 
 
-@pytest.fixture
-def fresh_choice(monkeypatch):
-    compact.choice.cache_clear()
-    kernels.choice.cache_clear()
-    yield monkeypatch
-    compact.choice.cache_clear()
-    kernels.choice.cache_clear()
-
-
 def mapped(path: str) -> bool:
     with open("/proc/self/maps") as f:
         return any(line.rstrip().endswith(path) for line in f)

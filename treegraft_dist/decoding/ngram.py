@@ -123,6 +123,9 @@ def _gram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     return h
 
 
+_MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
+
+
 def _gram_hash(gram: list[int]) -> int:
     """_gram_hashes of one window, in Python integers (no array overhead for a single lookup)."""
     h = len(gram)
@@ -131,16 +134,13 @@ def _gram_hash(gram: list[int]) -> int:
     return h
 
 
-_MULT_INT, _MASK = int(_MULT), (1 << 64) - 1
-
-
 class HistoryIndex:
     """Earlier requests' token sequences (prompt and output) for n-gram matching across requests: every
     n-gram of `min_n`..`max_n` tokens, by a 64-bit hash, maps to the positions that followed it, in one
-    sorted array (about 100 bytes a token with the sequence itself, a lookup a binary search; a hash collision is checked away). At most
-    `max_tokens` tokens are kept; the least recently added or matched sequences go first (a sequence longer
-    than the bound keeps its last `max_tokens`). An evicted sequence's entries are skipped where met and
-    dropped once they outnumber the live ones. Thread-safe."""
+    sorted array (about 100 bytes a token with the sequence itself; a lookup is a binary search, and a hash
+    collision is checked away). At most `max_tokens` tokens are kept; the least recently added or matched
+    sequences go first (a sequence longer than the bound keeps its last `max_tokens`). An evicted sequence's
+    entries are skipped where met and dropped once they outnumber the live ones. Thread-safe."""
 
     def __init__(self, max_tokens: int, max_n: int = 5, min_n: int = 3):
         if max_tokens < 1 or not 1 <= min_n <= max_n:
@@ -159,15 +159,12 @@ class HistoryIndex:
         return len(self._seqs)
 
     def _entries(self, sid: int, seq: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(hashes, values) of every window of `seq` followed by a token, sorted by hash."""
         toks = np.asarray(seq, np.uint64)
-        keys, vals = [], []
-        for n in range(self.min_n, self.max_n + 1):
-            if len(seq) > n:  # windows followed by a token
-                keys.append(_gram_hashes(toks[:-1], n))
-                vals.append((np.uint64(sid) << np.uint64(32)) | np.arange(n, len(seq), dtype=np.uint64))
-        if not keys:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        keys, vals = np.concatenate(keys), np.concatenate(vals)
+        lengths = [n for n in range(self.min_n, self.max_n + 1) if len(seq) > n]
+        keys = np.concatenate([_gram_hashes(toks[:-1], n) for n in lengths])
+        vals = np.concatenate([(np.uint64(sid) << np.uint64(32)) | np.arange(n, len(seq), dtype=np.uint64)
+                               for n in lengths])
         order = np.argsort(keys, kind="stable")
         return keys[order], vals[order]
 
@@ -185,7 +182,7 @@ class HistoryIndex:
             while self.tokens > self.max_tokens:
                 old = self._seqs.popitem(last=False)[1]
                 self.tokens -= len(old)
-                self._stale += sum(max(0, len(old) - n) for n in range(self.min_n, self.max_n + 1))
+                self._stale += sum(len(old) - n for n in range(self.min_n, self.max_n + 1) if len(old) > n)
             if 2 * self._stale > len(self._keys):
                 live = np.isin(self._vals >> np.uint64(32), np.fromiter(self._seqs, np.uint64, len(self._seqs)))
                 self._keys, self._vals, self._stale = self._keys[live], self._vals[live], 0
