@@ -18,6 +18,7 @@ answers from counters alone, whatever the requests are doing.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -52,6 +53,8 @@ from .drafters import DrafterHost, FallbackDrafter, NeuralSpec, NGramSpec, Remot
 from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
 from .target import READY, TargetBatcher, TargetGroup
 
+log = logging.getLogger(__name__)
+
 QUEUE_RETRY_AFTER_S = 5.0  # what a request turned away from a full queue is told to wait
 
 
@@ -80,6 +83,7 @@ class Coordinator:
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
+        self._watches: dict[int, ray.ObjectRef] = {}  # bundle -> its drafter actor's DrafterHost.watch call
 
     # -- lifetime -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,9 +114,21 @@ class Coordinator:
 
     def _host(self, spec, bundle: int, cpus: float, gpus: float, device: str):
         strategy = PlacementGroupSchedulingStrategy(self.control_pg, placement_group_bundle_index=bundle)
-        return ray.remote(DrafterHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
-                                               scheduling_strategy=strategy).remote(spec, device,
-                                                                                    self.res.torch_threads)
+        host = ray.remote(concurrency_groups={"watch": 1})(DrafterHost).options(
+            num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy).remote(
+            spec, device, self.res.torch_threads)
+        self._watches[bundle] = host.watch.remote()
+        return host
+
+    def _replace_dead_hosts(self) -> None:
+        """Restart a drafter actor that died since the last request began: with no request in flight on it,
+        nothing else notices, and the next request would draft without it."""
+        for bundle, host, died in ((NGRAM_BUNDLE, self.ngram_host, self._ngram_died),
+                                   (MIDDLE_BUNDLE, self.middle_host, self._middle_died)):
+            if host is not None and ray.wait([self._watches[bundle]], timeout=0)[0]:
+                log.warning("the %s drafter actor died between requests; restarting it",
+                            "n-gram" if bundle == NGRAM_BUNDLE else "middle")
+                died(host)
 
     def _spawn_middle(self):
         spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback)
@@ -397,6 +413,7 @@ class Coordinator:
                 with timer.phase("prefill"):
                     first, prefill = self.batcher.prefill(gen, rid, prompt, seed, True, sampling)
                 rounds = RoundSpec(cfg, policy, context, history=(sampling or self.target.sampling).greedy)
+                self._replace_dead_hosts()
                 # A drafter call waits at most as long as a (restarted) host may take to load its model.
                 bound = self.res.load_timeout_s
                 ngram = FallbackDrafter(RemoteDrafter(self.ngram_host, rid, ORIGIN_NGRAM, rounds, bound),

@@ -165,6 +165,21 @@ class TestLlamaTP2:
         assert later.tokens == hf_greedy(pair.target, prompts(5)[0], 20)
         assert all(c == 5 for c in later.stats.middle_calls)  # the restarted middle drafts again
 
+    def test_drafters_killed_between_requests_are_back_for_the_next(self, engine, pairs):
+        """No request in flight sees these deaths; the next request finds them and drafts on new actors."""
+        pair = pairs["llama"]
+        dead = engine.actors()
+        ray.kill(dead["middle"])
+        ray.kill(dead["ngram"])
+        time.sleep(1.0)  # the deaths reach the coordinator
+        q = prompts(11)[0]
+        later = engine.generate(q, 20, "all-mid")
+        assert later.tokens == hf_greedy(pair.target, q, 20)
+        assert all(c == 5 for c in later.stats.middle_calls)  # a live middle drafter from the first round
+        now = engine.actors()
+        assert now["middle"]._actor_id != dead["middle"]._actor_id
+        assert now["ngram"]._actor_id != dead["ngram"]._actor_id
+
     def test_ngram_drafter_dies_mid_request(self, engine, pairs):
         """The coordinator drafts the n-gram layers itself: the same trees, so the same rounds and tokens."""
         pair = pairs["llama"]
