@@ -44,7 +44,7 @@ from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import SchedulePolicy
 from treegraft_dist.decoding.signals import Timings, context_signals
-from treegraft_dist.decoding.sizing import LoadBudget
+from treegraft_dist.decoding.sizing import LoadBudget, Payoff
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -79,7 +79,7 @@ class Coordinator:
         self._vocab = 0  # prompt ids must be below it; learnt from the target at start
         self._started = False
         self._load_budget: LoadBudget | None = None
-        self._drafting_ms: dict[str, dict] = {}  # method -> {"ms": drafting time a round, a running mean}
+        self._drafting_ms: dict[str, dict] = {}  # method -> running means a drafted round: {"ms", "accepted"}
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
@@ -376,15 +376,20 @@ class Coordinator:
                     self._load_budget = LoadBudget(cfg.budget, costs)
         return self._load_budget
 
-    def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float]) -> int:
-        """This round's tree size: cfg.budget alone, smaller as more requests share the target's passes.
-        `spent`: the request's drafting seconds so far, as last seen here. Drafting time a round is a
-        running mean per method, over its requests, so a new request starts from what others measured."""
+    def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff) -> int:
+        """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`), smaller
+        as more requests share the target's passes. `spent`: the request's drafting seconds so far, as last
+        seen here. Drafting time and tokens a drafted round are running means per method, over its requests,
+        so a new request starts from what others measured."""
         now = sum(stats.seconds[k] for k in ("ngram", "middle", "scheduler"))
         drafting = self._drafting_ms.setdefault(stats.method, {})
         if stats.tree_sizes and stats.tree_sizes[-1] > 1:  # the last round drafted
-            ms = 1e3 * (now - spent[0])
+            ms, got = 1e3 * (now - spent[0]), stats.accepted[-1]
             drafting["ms"] = ms if "ms" not in drafting else drafting["ms"] + 0.3 * (ms - drafting["ms"])
+            drafting["accepted"] = got if "accepted" not in drafting else drafting["accepted"] + 0.1 * (
+                got - drafting["accepted"])
+        if stats.tree_sizes:
+            payoff.observe(stats.tree_sizes[-1], stats.accepted[-1])
         spent[0] = now
         if self._active <= 1 and self._load_budget is None:
             return cfg.budget
@@ -394,7 +399,7 @@ class Coordinator:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active, drafting.get("ms", 0.0))
+        return lb(self._active, drafting.get("ms", 0.0), payoff)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -431,8 +436,10 @@ class Coordinator:
                     middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)
                 start_drafters(drafters, prompt, prefill, first)
 
+                payoff = Payoff(self._drafting_ms.get(policy.name, {}).get("accepted"))
+
                 def round_budget() -> int:
-                    size = self._round_budget(cfg, stats, spent)
+                    size = self._round_budget(cfg, stats, spent, payoff)
                     if prefetch:  # a round without drafting needs no catch-up: leave the middle actor free
                         middle.prefetch = size > 1
                     return size

@@ -109,3 +109,29 @@ def test_load_budget_shrinks_trees_as_requests_share_passes():
     assert lb.cost(64) == 800.0
     with pytest.raises(ValueError):
         LoadBudget(8, {})
+
+
+def test_alone_a_request_drafts_only_while_drafting_pays():
+    from treegraft_dist.decoding.sizing import LoadBudget, Payoff
+
+    costs = {1: 250.0, 2: 290.0, 4: 330.0, 8: 660.0}  # a compute-bound CPU: every node costs
+    lb = LoadBudget(2, costs)
+    payoff = Payoff()
+    sizes = []
+    for accepted in (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1):  # nothing drafted is ever accepted
+        size = lb(1, drafting_ms=60.0, payoff=payoff)
+        sizes.append(size)
+        payoff.observe(size, accepted)
+    # Two drafted rounds, then plain steps with ever rarer exploring rounds (after 1, 2, 4, 8 plain steps).
+    assert sizes == [2, 2, 1, 2, 1, 1, 2, 1, 1, 1, 1, 2, 1, 1, 1, 1], sizes
+    for _ in range(9):  # the text turns copyable: each drafted round now takes both nodes
+        payoff.observe(lb(1, drafting_ms=60.0, payoff=payoff), 2)
+    assert lb(1, drafting_ms=60.0, payoff=payoff) == 2 and payoff.patience == 1
+    # 2 tokens for 290 + 60 ms beats 1 for 250 ms; with 400 ms of drafting it does not.
+    assert payoff.pays(lb.cost, 60.0)
+    loser = Payoff(2.0)
+    for _ in range(2):
+        loser.observe(2, 2)
+    assert not loser.pays(lb.cost, 400.0)
+    assert lb(1) == 2  # without a payoff: the budget, as before
+    assert lb(1, payoff=Payoff()) == 2  # a request's first rounds draft

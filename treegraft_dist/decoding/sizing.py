@@ -156,7 +156,8 @@ class LoadBudget:
       acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
                   size; alpha is learned online from the rounds (`observe`), starting at `alpha`.
     b = 1 is a plain decoding step (no drafting at all), so under heavy load speculation degrades to batched
-    plain decoding instead of losing to it. With one request active the budget stands.
+    plain decoding instead of losing to it. With one request active the budget stands while drafting pays for
+    that request as measured (`Payoff`), and plain steps take over where it does not.
     """
 
     def __init__(self, budget: int, costs: dict[int, float], alpha: float = 0.5, smoothing: float = 0.05):
@@ -199,9 +200,61 @@ class LoadBudget:
             seen = (accepted - 1) / np.log2(size)
             self.alpha += self.smoothing * (seen - self.alpha)
 
-    def __call__(self, active: int, drafting_ms: float = 0.0) -> int:
+    def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None) -> int:
         if active <= 1:
-            return self.budget
+            if payoff is None or payoff.pays(self.cost, drafting_ms):
+                return self.budget
+            return 1
         gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (drafting_ms if b > 1 else 0.0))
                 for b in self.candidates]
         return self.candidates[int(np.argmax(gain))]
+
+
+class Payoff:
+    """Whether drafting pays for one request running alone, from its own rounds: a drafted round accepts
+    `accepted` tokens (a running mean, starting from what the method's earlier requests saw) for a pass of
+    `size` nodes plus the drafting time, where a plain step gets 1 token for a 1-row pass. Where the drafted
+    rate is the lower, rounds become plain steps; one round drafts again after `patience` plain ones (doubling
+    up to MAX_PATIENCE while drafting keeps losing, back to 1 after an exploring round that beat the mean), so
+    a request whose text turns copyable (a quoted span, code repeated) drafts again within a few rounds.
+    Output is unaffected: only the tree size changes.
+    """
+
+    MAX_PATIENCE = 8
+    SMOOTHING = 0.3
+    MIN_ROUNDS = 2  # drafted rounds of its own before a request can be switched to plain steps
+
+    def __init__(self, accepted: float | None = None):
+        self.accepted = accepted  # tokens a drafted round accepts (bonus included); None before any
+        self.size = 0.0  # nodes a drafted round verifies (running mean)
+        self.rounds = 0  # drafted rounds seen
+        self.plain_run = 0  # plain rounds since the last drafted one
+        self.patience = 1
+
+    def observe(self, size: int, accepted: int) -> None:
+        """A round of this request verified `size` nodes and accepted `accepted` tokens."""
+        if size <= 1:
+            self.plain_run += 1
+            return
+        better = self.accepted is not None and accepted > self.accepted
+        a = self.SMOOTHING
+        self.accepted = accepted if self.accepted is None else self.accepted + a * (accepted - self.accepted)
+        self.size = size if not self.rounds else self.size + a * (size - self.size)
+        self.rounds += 1
+        if self.plain_run:  # that round explored after plain steps: the next one comes sooner if it did well
+            self.patience = 1 if better else min(2 * self.patience, self.MAX_PATIENCE)
+        self.plain_run = 0
+
+    def drafting_rate(self, cost, drafting_ms: float) -> float:
+        """Tokens a millisecond of a drafted round; `cost(rows)` is a pass's milliseconds."""
+        return self.accepted / (cost(self.size) + drafting_ms)
+
+    def pays(self, cost, drafting_ms: float) -> bool:
+        """Draft this round? Always for the first MIN_ROUNDS; then while the drafted rate is at least the
+        plain step's, and else once every `patience` plain rounds."""
+        if self.rounds < self.MIN_ROUNDS:
+            return True
+        if self.drafting_rate(cost, drafting_ms) >= 1.0 / cost(1):
+            self.patience = 1
+            return True
+        return self.plain_run >= self.patience
