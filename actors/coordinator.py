@@ -44,7 +44,7 @@ from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import SchedulePolicy
 from treegraft_dist.decoding.signals import Timings, context_signals
-from treegraft_dist.decoding.sizing import LoadBudget, Payoff
+from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget, Payoff
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -79,7 +79,7 @@ class Coordinator:
         self._vocab = 0  # prompt ids must be below it; learnt from the target at start
         self._started = False
         self._load_budget: LoadBudget | None = None
-        self._drafting_ms: dict[str, dict] = {}  # method -> running means a drafted round: {"ms", "accepted"}
+        self._drafting = DraftingMeans()  # per method: what a drafted round costs and gets
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
@@ -189,7 +189,7 @@ class Coordinator:
         from (None before passes were first shared), the drafting milliseconds a round per method, and
         the (rows, milliseconds) of the latest passes as the batcher timed them."""
         lb = self._load_budget
-        return {"active": self._active, "drafting_ms": {k: v.get("ms") for k, v in self._drafting_ms.items()},
+        return {"active": self._active, "drafting_ms": {k: v.get("ms") for k, v in self._drafting.by_method.items()},
                 "pass_ms": None if lb is None else dict(zip(lb.sizes.astype(int).tolist(), lb.ms.tolist())),
                 "alpha": None if lb is None else lb.alpha,
                 "recent_passes": [] if self.batcher is None else list(self.batcher.recent)}
@@ -310,6 +310,8 @@ class Coordinator:
                                        progress)
         finally:
             del self._progress[rid]
+            if self.batcher is not None:
+                self.batcher.leave(rid)
             if gen is not None:
                 self.target.release(gen, rid)
             with self._kv:
@@ -379,18 +381,8 @@ class Coordinator:
     def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff) -> int:
         """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`), smaller
         as more requests share the target's passes. `spent`: the request's drafting seconds so far, as last
-        seen here. Drafting time and tokens a drafted round are running means per method, over its requests,
-        so a new request starts from what others measured."""
-        now = sum(stats.seconds[k] for k in ("ngram", "middle", "scheduler"))
-        drafting = self._drafting_ms.setdefault(stats.method, {})
-        if stats.tree_sizes and stats.tree_sizes[-1] > 1:  # the last round drafted
-            ms, got = 1e3 * (now - spent[0]), stats.accepted[-1]
-            drafting["ms"] = ms if "ms" not in drafting else drafting["ms"] + 0.3 * (ms - drafting["ms"])
-            drafting["accepted"] = got if "accepted" not in drafting else drafting["accepted"] + 0.1 * (
-                got - drafting["accepted"])
-        if stats.tree_sizes:
-            payoff.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        spent[0] = now
+        seen here (DraftingMeans)."""
+        drafting_ms = self._drafting.update(stats, payoff, spent)
         if self._active <= 1 and self._load_budget is None:
             return cfg.budget
         lb = self._pass_costs(cfg)  # measured when passes are first shared, unless warm() measured them
@@ -399,7 +391,7 @@ class Coordinator:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active, drafting.get("ms", 0.0), payoff)
+        return lb(self._active, drafting_ms, payoff)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -412,7 +404,7 @@ class Coordinator:
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats)
         out: list[int] = []
-        drafters, spent = [], [0.0]
+        drafters = []
         try:
             if max_new:
                 with timer.phase("prefill"):
@@ -436,7 +428,7 @@ class Coordinator:
                     middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)
                 start_drafters(drafters, prompt, prefill, first)
 
-                payoff = Payoff(self._drafting_ms.get(policy.name, {}).get("accepted"))
+                payoff, spent = self._drafting.start(policy.name)
 
                 def round_budget() -> int:
                     size = self._round_budget(cfg, stats, spent, payoff)

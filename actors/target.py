@@ -357,6 +357,9 @@ def _agreed(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+GATHER_FRACTION = 0.05  # of the last pass's time: how long a pass may wait for the last one's requests
+GATHER_MAX_S = 0.02
+
 class TargetBatcher:
     """Where every request's target work meets (lives in the coordinator, one per target group).
 
@@ -365,6 +368,11 @@ class TargetBatcher:
     trees of concurrent requests are verified together. A pass takes the oldest item, then rounds before
     prompt chunks, up to `max_rows` rows (`batch.take_pass`); a prompt goes in chunks of `prefill_chunk`
     tokens, so a long prefill shares passes with other requests' rounds instead of stalling them.
+
+    The requests of a pass come back at once with their next piece, each after its own bookkeeping (a plain
+    step's is short, a round's longer): the thread waits for them briefly (at most GATHER_FRACTION of the
+    last pass's time, GATHER_MAX_S) before it sends the next pass, so that one straggler does not split the
+    batch into a pass without it and a pass for it alone. A request that ends says so (`leave`).
 
     Every wait is bounded: a request waits at most `answer_timeout_s` for an answer (then EngineUnavailable),
     and the batching thread is supervised: should its loop die of an unexpected exception, every request
@@ -377,6 +385,8 @@ class TargetBatcher:
         self.restarts = 0
         self._waiting: list[tuple[int, Work, _Answer]] = []
         self._in_pass: list[tuple[int, Work, _Answer]] = []
+        self._returning: set[int] = set()  # requests of the last pass that have not handed in their next piece
+        self._last_ms = 0.0  # the last pass's milliseconds
         self._wake = threading.Condition()
         self._closed = False
         self.recent: collections.deque = collections.deque(maxlen=256)  # (rows, milliseconds) of recent passes
@@ -416,6 +426,13 @@ class TargetBatcher:
                 with self._wake:
                     self._waiting = [e for e in self._waiting if e is not entry]
 
+    def leave(self, rid: int) -> None:
+        """Request `rid` has ended: the next pass does not wait for it."""
+        with self._wake:
+            if rid in self._returning:
+                self._returning.discard(rid)
+                self._wake.notify()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True
@@ -443,6 +460,7 @@ class TargetBatcher:
             with self._wake:
                 while not self._waiting and not self._closed:
                     self._wake.wait()
+                self._gather()
                 if self._closed:
                     for _, _, answer in self._waiting:
                         answer.fail(TargetGroupError("the engine is shutting down"))
@@ -450,7 +468,20 @@ class TargetBatcher:
                     return
                 self._in_pass = batch = self._take()
             self._run(batch)
-            self._in_pass = []
+            with self._wake:
+                self._in_pass = []
+                self._returning = {w.rid for _, w, _ in batch}
+
+    def _gather(self) -> None:
+        """Under the lock: wait (briefly, bounded) until every request of the last pass that still runs has
+        handed in its next piece."""
+        deadline = time.monotonic() + min(GATHER_MAX_S, GATHER_FRACTION * self._last_ms / 1e3)
+        while not self._closed:
+            self._returning -= {w.rid for _, w, _ in self._waiting}
+            left = deadline - time.monotonic()
+            if not self._returning or left <= 0:
+                return
+            self._wake.wait(left)
 
     def _run(self, batch: list) -> None:
         """One pass: every answer set, with its item's result or its request's error."""
@@ -463,6 +494,7 @@ class TargetBatcher:
                 answer.fail(e)
             return
         timed = (sum(w.rows for _, w, _ in batch), 1e3 * (time.perf_counter() - started))
+        self._last_ms = timed[1]
         self.recent.append(timed)
         self.unread.append(timed)
         for (_, _, answer), result in zip(batch, results, strict=True):

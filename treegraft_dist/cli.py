@@ -159,14 +159,20 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     return found[0]
 
 
-def device_sizer(args, target: LoadedModel):
-    """treegraft sizes every round's tree for this device's verification costs (measured once, cached), up to
---budget or the largest size measured."""
+def device_costs(args, target: LoadedModel) -> dict[int, float]:
+    """This device's verification milliseconds by tree size (measured once, cached)."""
     from .decoding.costs import latency_profile
-    from .decoding.sizing import TreeSizer
     from .models.prepare import cache_root
 
-    costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
+    return latency_profile(target.lm, target.source, cache_root(args.cache_dir))
+
+
+def device_sizer(args, target: LoadedModel):
+    """treegraft sizes every round's tree for this device's verification costs, up to --budget or the largest
+size measured."""
+    from .decoding.sizing import TreeSizer
+
+    costs = device_costs(args, target)
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
 
 
@@ -207,8 +213,10 @@ def cmd_generate(args) -> int:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
             gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
+        # treegraft drafts only while drafting pays on this device (sizing.Payoff), as `treegraft eval` runs it.
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
-                          sizer=device_sizer(args, target) if sized else None)
+                          sizer=device_sizer(args, target) if sized else None,
+                          verify_ms=device_costs(args, target) if args.method == "treegraft" else None)
         gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:

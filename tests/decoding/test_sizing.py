@@ -6,6 +6,7 @@ import pytest
 from test_engine import pair, prompts
 from tiny import hf_greedy
 
+from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.decoding.sizing import TreeSizer
 from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
@@ -95,6 +96,8 @@ def test_load_budget_shrinks_trees_as_requests_share_passes():
     assert lb(2) == 4  # 2 x 4 rows still ride free
     assert lb(8) == 1  # 8 one-token steps fill the free rows: plain decoding, batched
     assert lb(2, drafting_ms=500.0) == 1  # drafting (middle calls, say) would cost more than the tree gains
+    # 2 x 4 rows would pay for 40 ms of drafting each, not for 70: the drafters serve the two one after the other.
+    assert lb(2, drafting_ms=40.0) == 4 and lb(2, drafting_ms=70.0) == 1
     assert [lb.cost(r) for r in (3, 8, 128)] == [100.0, 100.0, 1600.0]
     for _ in range(200):  # rounds of 8 nodes that accept 1 + 0.3 * 3 tokens: alpha follows
         lb.observe(8, 1.9)
@@ -135,3 +138,21 @@ def test_alone_a_request_drafts_only_while_drafting_pays():
     assert not loser.pays(lb.cost, 400.0)
     assert lb(1) == 2  # without a payoff: the budget, as before
     assert lb(1, payoff=Payoff()) == 2  # a request's first rounds draft
+
+
+@pytest.mark.parametrize("middle", ["close", "random"])
+def test_drafting_only_while_it_pays_equals_target_greedy(middle):
+    """With the device's costs the decoder drafts while drafting pays and takes plain steps where it does not;
+    the output is the target's greedy decoding either way."""
+    target, mid = pair("llama", middle)
+    tree = TreeConfig(budget=8)
+    costly = Decoder(target, mid, tree, verify_ms={1: 10.0, 2: 1000.0, 4: 1000.0, 8: 1000.0})  # trees never pay
+    free = Decoder(target, mid, tree, verify_ms={1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3})  # a tree costs a step
+    for i, prompt in enumerate(prompts(8)[-3:]):  # a random prompt, then two repetitive ones
+        a, b = costly.generate(prompt, 40, "01001"), free.generate(prompt, 40, "01001")
+        assert a.tokens == b.tokens == hf_greedy(target, prompt, 40), (middle, prompt)
+        plain = a.stats.tree_sizes.count(1)
+        assert plain > len(a.stats.tree_sizes) / 2, a.stats.tree_sizes  # mostly plain steps
+        assert a.stats.tree_sizes[:2] == [8, 8]  # a request's first rounds draft
+        if middle == "close" and i:  # repetitive text, a close middle: drafting pays, trees most rounds
+            assert b.stats.tree_sizes.count(1) < len(b.stats.tree_sizes) / 4, b.stats.tree_sizes

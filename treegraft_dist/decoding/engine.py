@@ -25,7 +25,7 @@ from .ngram import NGramDrafter, PrefillCache
 from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import Timings, compute_signals, context_signals
-from .sizing import TreeSizer
+from .sizing import DraftingMeans, LoadBudget, TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
@@ -160,11 +160,15 @@ class Decoder:
 
     def __init__(self, target: CausalLM, middle: CausalLM | None = None, tree: TreeConfig = TreeConfig(),
                  sampling: SamplingParams = SamplingParams(), timings: Timings | None = None,
-                 probe_budgets: tuple[int, ...] = (), sizer: TreeSizer | None = None):
+                 probe_budgets: tuple[int, ...] = (), sizer: TreeSizer | None = None,
+                 verify_ms: dict[int, float] | None = None):
         """`probe_budgets`: also record, per round, the accepted length had the tree been pruned to each
         of these budgets instead (greedy only; for choosing a budget). `sizer`: choose each round's tree
         and its size from calibrated acceptance and the device's costs (sizing.py) instead of pruning to
-        the budget by score; the sizer keeps learning across the requests of this decoder."""
+        the budget by score; the sizer keeps learning across the requests of this decoder. `verify_ms`:
+        this device's verification milliseconds by tree size (costs.latency_profile); with them a round
+        drafts only while drafting pays for its request (sizing.Payoff, as the served engine decides for a
+        request alone) and is a plain step where it does not."""
         self.target = target
         self.middle = middle
         self.cfg = tree
@@ -172,6 +176,8 @@ class Decoder:
         self._timings = timings
         self.probe_budgets = probe_budgets
         self.sizer = sizer
+        self.alone = LoadBudget(tree.budget, verify_ms) if verify_ms else None
+        self.drafting = DraftingMeans()
 
     # -- public API -----------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
@@ -215,8 +221,17 @@ class Decoder:
             drafters = [d for d in (ngram, middle) if d is not None]
             start_drafters(drafters, prompt, prefill, first)
             out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
-                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets)
+                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets,
+                            budget=self._payoff_budget(policy, stats))
         return finish(out, stats, timer, max_new, eos)
+
+    def _payoff_budget(self, policy: SchedulePolicy, stats: RequestStats) -> Callable[[], int] | None:
+        """Each round's tree size for a request when `verify_ms` was given: the budget while drafting pays,
+        else 1 (a plain step). None (the budget every round) with a sizer or probe budgets, which need trees."""
+        if self.alone is None or self.sizer is not None or self.probe_budgets:
+            return None
+        payoff, spent = self.drafting.start(policy.name)
+        return lambda: self.alone(1, self.drafting.update(stats, payoff, spent), payoff)
 
 
 def start_drafters(drafters: list, prompt: list[int], prefill: PrefillCache | None, first: int) -> None:

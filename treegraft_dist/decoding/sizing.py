@@ -151,8 +151,9 @@ class LoadBudget:
     gives the most tokens per millisecond, acc(b) / (cost(active * b) + drafting), with
       cost(rows)  the target pass's measured milliseconds (`costs`), interpolated between sizes, and then
                   learned from the passes as they run (`observe_pass`);
-      drafting    the request's own drafting time a round (its n-gram steps, middle calls, scheduler), paid
-                  only when it drafts (b > 1);
+      drafting    a request's drafting time a round (its n-gram steps, middle calls, scheduler), paid only
+                  when it drafts (b > 1), once per active request: the drafter actors serve the requests'
+                  calls one after another, and on a CPU they take the cores the target's pass would use;
       acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
                   size; alpha is learned online from the rounds (`observe`), starting at `alpha`.
     b = 1 is a plain decoding step (no drafting at all), so under heavy load speculation degrades to batched
@@ -205,7 +206,7 @@ class LoadBudget:
             if payoff is None or payoff.pays(self.cost, drafting_ms):
                 return self.budget
             return 1
-        gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (drafting_ms if b > 1 else 0.0))
+        gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (active * drafting_ms if b > 1 else 0.0))
                 for b in self.candidates]
         return self.candidates[int(np.argmax(gain))]
 
@@ -258,3 +259,36 @@ class Payoff:
             self.patience = 1
             return True
         return self.plain_run >= self.patience
+
+
+DRAFTING_PHASES = ("ngram", "middle", "scheduler")
+
+
+class DraftingMeans:
+    """Per method, running means over its requests of what a drafted round costs and gets: {"ms": drafting
+    milliseconds, "accepted": tokens accepted}, so that a request starts from what the earlier ones measured.
+    A request's first drafted round is left out of "ms": it pays the middle drafter's read of the prompt once,
+    a cost no later round repeats and no tree size can save."""
+
+    def __init__(self):
+        self.by_method: dict[str, dict[str, float]] = {}
+
+    def start(self, method: str) -> tuple[Payoff, list[float]]:
+        """A new request's Payoff and its drafting-seconds marker (for `update`)."""
+        return Payoff(self.by_method.get(method, {}).get("accepted")), [0.0]
+
+    def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
+        """Before a round of a request (`stats`: its RequestStats so far): learn from its last round and give
+        the method's drafting milliseconds a drafted round."""
+        now = sum(stats.seconds[k] for k in DRAFTING_PHASES)
+        means = self.by_method.setdefault(stats.method, {})
+        if stats.tree_sizes and stats.tree_sizes[-1] > 1:  # the last round drafted
+            got = stats.accepted[-1]
+            means["accepted"] = got if "accepted" not in means else means["accepted"] + 0.1 * (got - means["accepted"])
+            if payoff.rounds:  # not the request's first drafted round
+                ms = 1e3 * (now - spent[0])
+                means["ms"] = ms if "ms" not in means else means["ms"] + 0.3 * (ms - means["ms"])
+        if stats.tree_sizes:
+            payoff.observe(stats.tree_sizes[-1], stats.accepted[-1])
+        spent[0] = now
+        return means.get("ms", 0.0)

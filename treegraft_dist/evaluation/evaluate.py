@@ -200,8 +200,10 @@ class Evaluation:
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
+        # The product method drafts only while drafting pays (sizing.Payoff), as the server runs it; the
+        # fixed schedules, the planners and the oracle draft every round, as their comparisons need.
         return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
-                       sizer=sizer)
+                       sizer=sizer, verify_ms=self.verify_ms() if method == TREEGRAFT else None)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
