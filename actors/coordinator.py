@@ -358,11 +358,11 @@ class Coordinator:
 
     def warm(self) -> dict:
         """Measure now what the first requests would otherwise wait for: the forward times a signal-reading
-        policy needs and, where trees shrink under load, the pass costs that size them. A server calls this
+        policy needs and, where trees are sized (adapt_budget), the pass costs that size them. A server calls this
         before it answers, so its first users do not pay for it."""
         if self.middle_path is not None:
             _ = self.timings
-        if self.res.adapt_budget and self.res.max_requests > 1:
+        if self.res.adapt_budget:
             self._pass_costs(self.cfg)
         return {"t_tgt_ms": None if self._timings is None else self._timings.t_tgt_ms,
                 "t_mid_ms": None if self._timings is None else self._timings.t_mid_ms,
@@ -379,13 +379,13 @@ class Coordinator:
         return self._load_budget
 
     def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff) -> int:
-        """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`), smaller
-        as more requests share the target's passes. `spent`: the request's drafting seconds so far, as last
+        """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`; else plain
+        steps and exploring rounds drafted without the middle drafter), smaller as more requests share the
+        target's passes. `spent`: the request's drafting seconds so far, as last
         seen here (DraftingMeans)."""
         drafting_ms = self._drafting.update(stats, payoff, spent)
-        if self._active <= 1 and self._load_budget is None:
-            return cfg.budget
-        lb = self._pass_costs(cfg)  # measured when passes are first shared, unless warm() measured them
+        payoff.middle = True  # every drafted round drafts as the policy says, but where Payoff says otherwise
+        lb = self._pass_costs(cfg)  # measured by the first round that needs them, unless warm() measured them
         with self._lock:
             while self.batcher.unread:  # what passes really cost, shared as they are
                 lb.observe_pass(*self.batcher.unread.popleft())
@@ -430,10 +430,13 @@ class Coordinator:
 
                 payoff, spent = self._drafting.start(policy.name)
 
+                draft = RoundDrafter(ngram, middle, timer)
+
                 def round_budget() -> int:
                     size = self._round_budget(cfg, stats, spent, payoff)
-                    if prefetch:  # a round without drafting needs no catch-up: leave the middle actor free
-                        middle.prefetch = size > 1
+                    draft.middle_on = payoff.middle
+                    if prefetch:  # a round without the middle needs no catch-up: leave the middle actor free
+                        middle.prefetch = size > 1 and payoff.middle
                     return size
 
                 def verify(pruned: DraftTree) -> Verdict:
@@ -442,7 +445,7 @@ class Coordinator:
                     return self.batcher.verify(gen, rid, pruned)
 
                 out = speculate(first, cfg, policy, ngram, middle, drafters, verify, timer, stats, context,
-                                max_new, eos, on_tokens=progress, draft=RoundDrafter(ngram, middle, timer),
+                                max_new, eos, on_tokens=progress, draft=draft,
                                 budget=round_budget if self.res.adapt_budget else None)
         finally:
             for d in drafters:

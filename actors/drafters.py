@@ -239,6 +239,7 @@ class RoundDrafter:
         if ngram.remote.rounds is None or not ngram.mirror:
             raise ValueError("RoundDrafter needs the n-gram drafter's RoundSpec and a local mirror")
         self.ngram, self.middle, self.timer = ngram, middle, timer
+        self.middle_on = True  # False: this round is drafted without the middle drafter (sizing.Payoff)
         self.spec = ngram.remote.rounds
         self.decide_here = getattr(self.spec.policy, "stateless", False)
 
@@ -268,7 +269,7 @@ class RoundDrafter:
         return state.tree, state.calls
 
     def _live_middle(self) -> FallbackDrafter | None:
-        return self.middle if self.middle is not None and self.middle.alive else None
+        return self.middle if self.middle is not None and self.middle.alive and self.middle_on else None
 
     def _decide_here(self, state: Drafting, budgets: tuple[int, ...]) -> str | None:
         """Decide (and draft the middle drafter's) layers here up to the next n-gram layer."""

@@ -16,7 +16,8 @@ target's logits is what lossless decoding may give (lossless.classify, with the 
 the table gives exact/near-tie/mismatch per run.
 Requests are benchmark prompts (chat-formatted first turns, spread over the six benchmarks).
 `--repeats N` runs every cell N times, rotating the methods' order, and the table gives the median.
-Prints a Markdown table; `--out FILE.parquet` also writes the rows (one per run).
+Each cell also counts the target's forward passes and the requests' pieces of work a pass held on average
+(prefill chunks, trees, plain steps). Prints a Markdown table; `--out FILE.parquet` also writes the rows (one per run).
 """
 
 from __future__ import annotations
@@ -160,14 +161,20 @@ def main() -> None:
                     for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
                         name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
                         method = default if name == "treegraft" else name
+                        before = engines[adapt].target_passes()
                         gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, method, eos)
+                        passes, items = (b - a for a, b in zip(before, engines[adapt].target_passes()))
                         acc = statistics.mean(g.stats.mean_accepted for g in gens)
                         size = statistics.mean(n for g in gens for n in g.stats.tree_sizes or [1])
                         cells.append((gens, dict(concurrency=c, method=m, repeat=rep, tokens_per_s=tput,
                                                  mean_latency_s=mean_lat, p90_latency_s=p90,
-                                                 accepted_per_round=acc, tree_size=size)))
+                                                 accepted_per_round=acc, tree_size=size, passes=passes,
+                                                 items_per_pass=items / max(passes, 1))))
                         print(f"  {c:>2} requests {m:>16}: {tput:6.1f} tok/s, latency mean {mean_lat:5.1f} s "
-                              f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, {size:.1f} nodes/round", flush=True)
+                              f"p90 {p90:5.1f} s, {acc:.2f} tokens/round, {size:.1f} nodes/round, {passes} target "
+                              f"passes of {items / max(passes, 1):.1f} requests' work; seconds a request: "
+                              + ", ".join(f"{k} {sum(g.stats.seconds.get(k, 0.0) for g in gens) / len(gens):.2f}"
+                                          for k in gens[0].stats.seconds), flush=True)
                 ref = next((g for g, r in cells if r["method"] == "ar"), None)
                 for gens, r in cells:
                     r["outputs"] = [g.tokens for g in gens]
@@ -181,8 +188,8 @@ def main() -> None:
           f"{res.torch_threads} torch threads per model actor, {torch.get_num_threads()} cores seen, median of "
           f"{args.repeats} run(s) per cell\n")
     print("| requests | method | tokens/s (all) | vs ar | mean latency s | p90 latency s | tokens/round | nodes/round "
-          "| exact/near-tie/mismatch vs ar, per run |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| target passes | requests a pass | exact/near-tie/mismatch vs ar, per run |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     table = {}
     for r in rows:
         table.setdefault((r["concurrency"], r["method"]), []).append(r)
@@ -190,10 +197,12 @@ def main() -> None:
     for (c, m), group in table.items():
         ratio = med[c, m] / med[c, "ar"] if (c, "ar") in med else float("nan")
         mean = {k: statistics.mean(x[k] for x in group) for k in ("mean_latency_s", "p90_latency_s",
-                                                                  "accepted_per_round", "tree_size")}
+                                                                  "accepted_per_round", "tree_size", "passes",
+                                                                  "items_per_pass")}
         verdicts = ", ".join(f"{x['exact']}/{x['near_tie']}/{x['mismatch']}" for x in group)
         print(f"| {c} | {m} | {med[c, m]:.1f} | {ratio:.2f}x | {mean['mean_latency_s']:.1f} | {mean['p90_latency_s']:.1f} "
-              f"| {mean['accepted_per_round']:.2f} | {mean['tree_size']:.1f} | {verdicts} |")
+              f"| {mean['accepted_per_round']:.2f} | {mean['tree_size']:.1f} | {mean['passes']:.0f} "
+              f"| {mean['items_per_pass']:.1f} | {verdicts} |")
     if args.out:
         import pyarrow as pa
         import pyarrow.parquet as pq

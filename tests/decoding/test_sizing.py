@@ -132,13 +132,41 @@ def test_alone_a_request_drafts_only_while_drafting_pays():
         payoff.observe(lb(1, drafting_ms=60.0, payoff=payoff), 2)
     assert lb(1, drafting_ms=60.0, payoff=payoff) == 2 and payoff.patience == 1
     # 2 tokens for 290 + 60 ms beats 1 for 250 ms; with 400 ms of drafting it does not.
-    assert payoff.pays(lb.cost, 60.0)
-    loser = Payoff(2.0)
+    winner = Payoff()
     for _ in range(2):
-        loser.observe(2, 2)
-    assert not loser.pays(lb.cost, 400.0)
+        winner.observe(2, 2)
+    assert winner.pays(lb.cost, 60.0) and not winner.pays(lb.cost, 400.0)
     assert lb(1) == 2  # without a payoff: the budget, as before
     assert lb(1, payoff=Payoff()) == 2  # a request's first rounds draft
+
+
+def test_exploring_rounds_are_small_and_drafted_without_the_middle():
+    from treegraft_dist.decoding.sizing import LoadBudget, Payoff
+
+    lb = LoadBudget(8, {1: 100.0, 2: 105.0, 4: 112.0, 8: 200.0})  # a 4-node pass costs about a step
+    assert lb.probe_size == 4 and LoadBudget(8, {1: 100.0, 2: 300.0}).probe_size == 2
+    payoff, plan = Payoff(), []
+    for _ in range(12):  # drafting as the policy says costs 150 ms a round and nothing is accepted
+        size = lb(1, drafting_ms=150.0, payoff=payoff)
+        plan.append((size, payoff.middle))
+        payoff.observe(size, 1)
+    full, probe, plain = (8, True), (4, False), (1, False)
+    # Exploring rounds take turns: drafted as the policy says, then by the n-gram drafter alone, ...
+    assert plan == [full, full, plain, full, plain, plain, probe] + [plain] * 4 + [full], plan
+    plan = []
+    for _ in range(12):  # the text turns copyable: a drafted round takes 3 tokens
+        size = lb(1, drafting_ms=150.0, payoff=payoff)
+        plan.append((size, payoff.middle))
+        payoff.observe(size, 3 if size > 1 else 1)
+    # Plain steps until the next exploring round (8 of them: patience 8 by now); it takes 3 tokens for about a step's pass,
+    # so every round from then on is one (the n-gram drafter alone), while rounds with the middle drafter
+    # (150 ms of drafting) do not pay yet.
+    assert plan == [plain] * 8 + [probe] * 4, plan
+    # A request whose method's earlier requests measured drafting judges from its first round: where their
+    # drafted rounds accepted 1.2 tokens it starts on plain steps and exploring rounds; 4 tokens, it drafts.
+    lost, paid = Payoff(1.2, prior=True), Payoff(4.0, prior=True)
+    assert [lb(1, 150.0, lost), lost.middle, lb(1, 150.0, paid), paid.middle] == [1, False, 8, True]
+    assert lb(1, 150.0, Payoff(1.2)) == 8  # no prior: its own first rounds draft
 
 
 @pytest.mark.parametrize("middle", ["close", "random"])
@@ -150,11 +178,17 @@ def test_drafting_only_while_it_pays_equals_target_greedy(middle):
     tree = TreeConfig(budget=8)
     costly = Decoder(target, mid, tree, verify_ms={1: 10.0, 2: 1000.0, 4: 1000.0, 8: 1000.0})  # trees never pay
     free = Decoder(target, exact, tree, verify_ms={1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3})  # a tree costs a step
-    for prompt in prompts(8)[-3:]:  # a random prompt, then two repetitive ones
+    for i, prompt in enumerate(prompts(8)[-3:]):  # a random prompt, then two repetitive ones
         a, b = costly.generate(prompt, 40, "01001"), free.generate(prompt, 40, "all-mid")
         assert a.tokens == b.tokens == hf_greedy(target, prompt, 40), (middle, prompt)
         plain = a.stats.tree_sizes.count(1)
         assert plain > len(a.stats.tree_sizes) / 2, a.stats.tree_sizes  # mostly plain steps
-        assert a.stats.tree_sizes[:2] == [8, 8]  # a request's first rounds draft
+        # The first request's first rounds draft; later ones know from it that drafting does not pay here.
+        first = 2 if i == 0 else 0
+        assert a.stats.tree_sizes[:2] == ([8, 8] if i == 0 else [1, 8]), a.stats.tree_sizes
+        # Other drafted rounds explore, in turn as the policy says (8 nodes) and by the n-gram drafter alone
+        # (2 nodes, the smallest tree, no middle call).
+        explored = [(s, c) for s, c in zip(a.stats.tree_sizes[first:], a.stats.middle_calls[first:]) if s > 1]
+        assert {s for s, _ in explored} == {2, 8} and all(c == 0 for s, c in explored if s == 2), explored
         # Drafts the target accepts, trees as cheap as a step: drafting pays, every round drafts.
         assert 1 not in b.stats.tree_sizes and sum(b.stats.accepted) / b.stats.rounds > 2, b.stats.accepted

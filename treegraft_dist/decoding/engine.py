@@ -220,18 +220,23 @@ class Decoder:
             middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback) if self.middle is not None else None
             drafters = [d for d in (ngram, middle) if d is not None]
             start_drafters(drafters, prompt, prefill, first)
-            out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
-                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets,
-                            budget=self._payoff_budget(policy, stats))
-        return finish(out, stats, timer, max_new, eos)
+            budget, draft = None, None
+            if self.alone is not None and self.sizer is None and not self.probe_budgets:
+                payoff, spent = self.drafting.start(policy.name)
 
-    def _payoff_budget(self, policy: SchedulePolicy, stats: RequestStats) -> Callable[[], int] | None:
-        """Each round's tree size for a request when `verify_ms` was given: the budget while drafting pays,
-        else 1 (a plain step). None (the budget every round) with a sizer or probe budgets, which need trees."""
-        if self.alone is None or self.sizer is not None or self.probe_budgets:
-            return None
-        payoff, spent = self.drafting.start(policy.name)
-        return lambda: self.alone(1, self.drafting.update(stats, payoff, spent), payoff)
+                def budget() -> int:  # the budget while drafting pays, else plain steps and exploring rounds
+                    drafting_ms = self.drafting.update(stats, payoff, spent)
+                    payoff.middle = True
+                    return self.alone(1, drafting_ms, payoff)
+
+                def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
+                    live = middle if payoff.middle else None  # an exploring round: the n-gram drafter alone
+                    return draft_tree(root, cfg, policy, ngram, live, timer, context, settle)
+
+            out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
+                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets, draft=draft,
+                            budget=budget)
+        return finish(out, stats, timer, max_new, eos)
 
 
 def start_drafters(drafters: list, prompt: list[int], prefill: PrefillCache | None, first: int) -> None:

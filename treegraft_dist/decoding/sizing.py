@@ -142,6 +142,9 @@ class TreeSizer:
             np.add.at(hits, cells, hit)
 
 
+PROBE_COST = 1.15  # an exploring round's pass costs at most this many one-row passes (LoadBudget.probe_size)
+
+
 class LoadBudget:
     """Each round's tree size when several requests share every target pass (batched verification).
 
@@ -203,86 +206,124 @@ class LoadBudget:
 
     def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None) -> int:
         if active <= 1:
-            if payoff is None or payoff.pays(self.cost, drafting_ms):
-                return self.budget
-            return 1
+            return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size)
         gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (active * drafting_ms if b > 1 else 0.0))
                 for b in self.candidates]
         return self.candidates[int(np.argmax(gain))]
 
+    @property
+    def probe_size(self) -> int:
+        """The tree of an exploring round (Payoff): the most nodes whose pass costs at most PROBE_COST times a
+        one-row pass, at least 2 and at most the budget, so that a round that finds nothing costs about a
+        plain step."""
+        fits = [b for b in range(2, self.budget + 1) if self.cost(b) <= PROBE_COST * self.cost(1)]
+        return max(fits, default=min(2, self.budget))
+
 
 class Payoff:
-    """Whether drafting pays for one request running alone, from its own rounds: a drafted round accepts
-    `accepted` tokens (a running mean, starting from what the method's earlier requests saw) for a pass of
-    `size` nodes plus the drafting time, where a plain step gets 1 token for a 1-row pass. Where the drafted
-    rate is the lower, rounds become plain steps; one round drafts again after `patience` plain ones (doubling
-    up to MAX_PATIENCE while drafting keeps losing, back to 1 after an exploring round that beat the mean), so
-    a request whose text turns copyable (a quoted span, code repeated) drafts again within a few rounds.
-    Output is unaffected: only the tree size changes.
+    """Whether drafting pays for one request running alone, from its own rounds: a round drafted as the policy
+    says accepts `accepted` tokens (a running mean, starting from what the method's earlier requests saw) for
+    a pass of `size` nodes plus the drafting time, where a plain step gets 1 token for a 1-row pass. While
+    that rate is at least the plain step's, every round drafts as the policy says (`middle`: the middle
+    drafter may be called). Where it is lower, rounds become plain steps, and one round in `patience`
+    explores, in turn: a round drafted as the policy says, or a small tree (LoadBudget.probe_size nodes,
+    about a plain step's pass) drafted by the n-gram drafter alone, which costs about a millisecond where a
+    middle call and its catch-up cost a good part of a step. An exploring round that did well (beat the mean;
+    for the n-gram drafter alone, took a drafted token) brings the next one a round later, and where the
+    n-gram drafter's small trees pay (copied text) every round is one; one that did not doubles `patience`,
+    up to MAX_PATIENCE. So a request whose text turns predictable drafts again within a few rounds, at little
+    cost where it does not. Output is unaffected: only the tree and who drafts it change.
     """
 
     MAX_PATIENCE = 8
     SMOOTHING = 0.3
     MIN_ROUNDS = 2  # drafted rounds of its own before a request can be switched to plain steps
 
-    def __init__(self, accepted: float | None = None):
-        self.accepted = accepted  # tokens a drafted round accepts (bonus included); None before any
-        self.size = 0.0  # nodes a drafted round verifies (running mean)
+    def __init__(self, accepted: float | None = None, prior: bool = False):
+        """`accepted`: what the method's earlier requests' drafted rounds accepted; `prior`: those requests also
+        measured what drafting costs, so this one judges from its first round (else it drafts MIN_ROUNDS
+        rounds first)."""
+        self.accepted = accepted  # tokens a round drafted as the policy says accepts (bonus included)
+        self.prior = prior and accepted is not None
+        self.size = 0.0  # nodes such a round verifies (running mean)
+        self.probe_accepted: float | None = None  # tokens a round of the n-gram drafter alone accepts
         self.rounds = 0  # drafted rounds seen
         self.plain_run = 0  # plain rounds since the last drafted one
         self.patience = 1
+        self.middle = True  # this round is drafted as the policy says (False: a plain step or an n-gram round)
+        self._full_next = False  # the next exploring round is drafted as the policy says
 
     def observe(self, size: int, accepted: int) -> None:
         """A round of this request verified `size` nodes and accepted `accepted` tokens."""
         if size <= 1:
             self.plain_run += 1
             return
-        better = self.accepted is not None and accepted > self.accepted
         a = self.SMOOTHING
-        self.accepted = accepted if self.accepted is None else self.accepted + a * (accepted - self.accepted)
-        self.size = size if not self.rounds else self.size + a * (size - self.size)
-        self.rounds += 1
+        if self.middle:
+            better = self.accepted is not None and accepted > self.accepted
+            self.accepted = accepted if self.accepted is None else self.accepted + a * (accepted - self.accepted)
+            self.size = size if not self.size else self.size + a * (size - self.size)
+        else:
+            better = accepted > 1
+            p = self.probe_accepted
+            self.probe_accepted = accepted if p is None else p + a * (accepted - p)
         if self.plain_run:  # that round explored after plain steps: the next one comes sooner if it did well
             self.patience = 1 if better else min(2 * self.patience, self.MAX_PATIENCE)
+        self.rounds += 1
         self.plain_run = 0
 
-    def drafting_rate(self, cost, drafting_ms: float) -> float:
-        """Tokens a millisecond of a drafted round; `cost(rows)` is a pass's milliseconds."""
-        return self.accepted / (cost(self.size) + drafting_ms)
+    def drafting_rate(self, cost, drafting_ms: float, budget: int = 1) -> float:
+        """Tokens a millisecond of a round drafted as the policy says; `cost(rows)` is a pass's milliseconds
+        (`budget`: the size before a round of its own says)."""
+        return self.accepted / (cost(self.size or budget) + drafting_ms)
 
-    def pays(self, cost, drafting_ms: float) -> bool:
-        """Draft this round? Always for the first MIN_ROUNDS; then while the drafted rate is at least the
-        plain step's, and else once every `patience` plain rounds."""
-        if self.rounds < self.MIN_ROUNDS:
+    def pays(self, cost, drafting_ms: float, budget: int = 1) -> bool:
+        """Draft as the policy says this round? While the drafted rate is at least the plain step's; without a
+        prior, always for the first MIN_ROUNDS."""
+        if self.accepted is None or (self.rounds < self.MIN_ROUNDS and not self.prior):
             return True
-        if self.drafting_rate(cost, drafting_ms) >= 1.0 / cost(1):
-            self.patience = 1
-            return True
-        return self.plain_run >= self.patience
+        return self.drafting_rate(cost, drafting_ms, budget) >= 1.0 / cost(1)
+
+    def plan(self, cost, drafting_ms: float, budget: int, probe: int) -> int:
+        """This round's tree size: `budget` (drafted as the policy says) while that pays, `probe` (the n-gram
+        drafter alone) while those pay, else 1 (a plain step) but for an exploring round. Sets `middle`."""
+        if self.pays(cost, drafting_ms, budget):
+            self.middle = True
+            return budget
+        self.middle = False
+        if self.probe_accepted is not None and self.probe_accepted / cost(probe) >= 1.0 / cost(1):
+            return probe
+        if self.plain_run < self.patience:
+            return 1
+        self._full_next = not self._full_next
+        self.middle = self._full_next
+        return budget if self.middle else probe
 
 
 DRAFTING_PHASES = ("ngram", "middle", "scheduler")
 
 
 class DraftingMeans:
-    """Per method, running means over its requests of what a drafted round costs and gets: {"ms": drafting
-    milliseconds, "accepted": tokens accepted}, so that a request starts from what the earlier ones measured.
-    A request's first drafted round is left out of "ms": it pays the middle drafter's read of the prompt once,
-    a cost no later round repeats and no tree size can save."""
+    """Per method, running means over its requests of what a round drafted as the policy says costs and gets
+    (exploring rounds are left out): {"ms": drafting milliseconds, "accepted": tokens accepted}, so that a
+    request starts from what the earlier ones measured. A request's first drafted round is left out of "ms":
+    it pays the middle drafter's read of the prompt once, a cost no later round repeats and no tree size can
+    save."""
 
     def __init__(self):
         self.by_method: dict[str, dict[str, float]] = {}
 
     def start(self, method: str) -> tuple[Payoff, list[float]]:
         """A new request's Payoff and its drafting-seconds marker (for `update`)."""
-        return Payoff(self.by_method.get(method, {}).get("accepted")), [0.0]
+        means = self.by_method.get(method, {})
+        return Payoff(means.get("accepted"), prior="ms" in means), [0.0]
 
     def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
         """Before a round of a request (`stats`: its RequestStats so far): learn from its last round and give
         the method's drafting milliseconds a drafted round."""
         now = sum(stats.seconds[k] for k in DRAFTING_PHASES)
         means = self.by_method.setdefault(stats.method, {})
-        if stats.tree_sizes and stats.tree_sizes[-1] > 1:  # the last round drafted
+        if stats.tree_sizes and stats.tree_sizes[-1] > 1 and payoff.middle:  # the last round drafted as the policy says
             got = stats.accepted[-1]
             means["accepted"] = got if "accepted" not in means else means["accepted"] + 0.1 * (got - means["accepted"])
             if payoff.rounds:  # not the request's first drafted round
