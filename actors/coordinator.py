@@ -378,11 +378,13 @@ class Coordinator:
                     self._load_budget = LoadBudget(cfg.budget, costs)
         return self._load_budget
 
-    def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff) -> int:
+    def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff,
+                      greedy: bool) -> int:
         """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`; else plain
         steps and exploring rounds drafted without the middle drafter), smaller as more requests share the
-        target's passes. `spent`: the request's drafting seconds so far, as last
-        seen here (DraftingMeans)."""
+        target's passes. `spent`: the request's drafting seconds so far, as last seen here (DraftingMeans).
+        A sampled request alone drafts every round: Payoff decides from timings, and a sampled text must
+        depend on its seed alone."""
         drafting_ms = self._drafting.update(stats, payoff, spent)
         payoff.middle = True  # every drafted round drafts as the policy says, but where Payoff says otherwise
         lb = self._pass_costs(cfg)  # measured by the first round that needs them, unless warm() measured them
@@ -391,7 +393,7 @@ class Coordinator:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active, drafting_ms, payoff)
+        return lb(self._active, drafting_ms, payoff if greedy else None)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -409,7 +411,8 @@ class Coordinator:
             if max_new:
                 with timer.phase("prefill"):
                     first, prefill = self.batcher.prefill(gen, rid, prompt, seed, True, sampling)
-                rounds = RoundSpec(cfg, policy, context, history=(sampling or self.target.sampling).greedy)
+                greedy = (sampling or self.target.sampling).greedy
+                rounds = RoundSpec(cfg, policy, context, history=greedy)
                 self._replace_dead_hosts()
                 # A drafter call waits at most as long as a (restarted) host may take to load its model.
                 bound = self.res.load_timeout_s
@@ -433,7 +436,7 @@ class Coordinator:
                 draft = RoundDrafter(ngram, middle, timer)
 
                 def round_budget() -> int:
-                    size = self._round_budget(cfg, stats, spent, payoff)
+                    size = self._round_budget(cfg, stats, spent, payoff, greedy)
                     draft.middle_on = payoff.middle
                     if prefetch:  # a round without the middle needs no catch-up: leave the middle actor free
                         middle.prefetch = size > 1 and payoff.middle

@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma-separated (default: %(default)s); '' for none")
     e.add_argument("--benchmark-file", action="append", default=[], help="extra JSONL file (question_id, category, turns); repeatable")
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s; also value-planner, oracle) or 5-bit patterns; a fixed "
-                        "method with @published (all-small@published) runs the published tree settings")
+                        "method with @published (all-small@published) runs the published tree settings; @sized sizes each "
+                        "round's tree; treegraft@always drafts every round, where treegraft drafts while drafting pays")
     e.add_argument("--prompts-per-benchmark", type=int, default=2)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--budget", default="auto",

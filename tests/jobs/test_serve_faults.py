@@ -166,7 +166,9 @@ def test_a_request_waits_at_most_its_queue_timeout(server, greedy):
     """Every slot is held by a long request and 20 more wait: the next one gets 503 queue_timeout with
     Retry-After after about the queue timeout, not later; the counts return to 0 once the clients leave."""
     base = server[0]
-    long = {"model": NAME, "prompt": "long", "max_tokens": 480, "temperature": 0, "method": "ar", "stream": True}
+    # Holders that outlast the queue timeout by far: sampled, with a middle call at every layer of a round.
+    long = {"model": NAME, "prompt": "long", "max_tokens": 480, "temperature": 1, "seed": 1, "method": "all-mid",
+            "stream": True}
 
     async def run():
         async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=120) as http:
@@ -178,7 +180,12 @@ def test_a_request_waits_at_most_its_queue_timeout(server, greedy):
                 await anext(resp.aiter_lines())  # it runs
             fillers = [asyncio.create_task(http.post("/v1/completions", json={**long, "stream": False}))
                        for _ in range(20)]
-            await asyncio.sleep(0.5)
+            # The late request goes as soon as the fillers wait (the count stops growing): they time out just
+            # before it does, and a holder that ended in between would give it a slot.
+            seen = -1
+            while (waiting := (await http.get("/health")).json()["waiting"]) != seen or not waiting:
+                seen = waiting
+                await asyncio.sleep(0.1)
             start = time.monotonic()
             late = await http.post("/v1/completions", json={"model": NAME, "prompt": "late", "max_tokens": 2})
             waited = time.monotonic() - start

@@ -168,7 +168,8 @@ class Decoder:
         the budget by score; the sizer keeps learning across the requests of this decoder. `verify_ms`:
         this device's verification milliseconds by tree size (costs.latency_profile); with them a round
         drafts only while drafting pays for its request (sizing.Payoff, as the served engine decides for a
-        request alone) and is a plain step where it does not."""
+        request alone) and is a plain step where it does not; greedy only (Payoff decides from timings, and a
+        sampled text must depend on its seed alone)."""
         self.target = target
         self.middle = middle
         self.cfg = tree
@@ -221,7 +222,7 @@ class Decoder:
             drafters = [d for d in (ngram, middle) if d is not None]
             start_drafters(drafters, prompt, prefill, first)
             budget, draft = None, None
-            if self.alone is not None and self.sizer is None and not self.probe_budgets:
+            if self.alone is not None and self.sizer is None and not self.probe_budgets and self.sampling.greedy:
                 payoff, spent = self.drafting.start(policy.name)
 
                 def budget() -> int:  # the budget while drafting pays, else plain steps and exploring rounds
@@ -304,6 +305,9 @@ def speculate(
         called = sum(calls) - (getattr(middle, "fallback_steps", 0) - fell_back)
         record_round(stats, tree, pruned.size, verdict, len(accepted), called, probe_budgets)
         stop = on_tokens is not None and on_tokens(out)
+    if unseen:  # the last rounds were plain steps: the drafters end with the whole text (a served history keeps it)
+        for d in drafters:
+            d.accept([0], unseen)
     return out
 
 

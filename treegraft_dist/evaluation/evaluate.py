@@ -46,6 +46,7 @@ from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questio
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .methods import (
     ALL_METHODS,
+    ALWAYS,
     DEFAULT_METHODS,
     ORACLE,
     PUBLISHED,
@@ -209,7 +210,7 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and (PUBLISHED in method or SIZED in method):
+        if self.engine is not None and (PUBLISHED in method or SIZED in method or ALWAYS in method):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if method == ORACLE:

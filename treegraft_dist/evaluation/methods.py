@@ -10,7 +10,8 @@
   hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
 
 Suffixes: a fixed schedule with @published runs the published tree settings; a fixed schedule or treegraft
-with @sized sizes every round's tree from calibrated acceptance and this device's costs.
+with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@always
+drafts every round at its budget, where treegraft drafts only while drafting pays for the request.
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ PUBLISHED = "@published"
 # of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
 SIZED = "@sized"
 
+# treegraft with this suffix drafts every round at its budget: what sizing.Payoff (plain steps and cheap
+# exploring rounds where drafting does not pay for a request) buys, side by side.
+ALWAYS = "@always"
+
 
 def artifact_base(m: str) -> str | None:
-    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized for treegraft; else None."""
+    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized or @always for treegraft;
+    else None."""
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m == TREEGRAFT + SIZED else None
+    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + ALWAYS) else None
 
 
 def fixed_base(m: str) -> str | None:
