@@ -379,12 +379,13 @@ class Coordinator:
         return self._load_budget
 
     def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff,
-                      greedy: bool) -> int:
+                      paced: bool) -> int:
         """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`; else plain
         steps and exploring rounds drafted without the middle drafter), smaller as more requests share the
         target's passes. `spent`: the request's drafting seconds so far, as last seen here (DraftingMeans).
-        A sampled request alone drafts every round: Payoff decides from timings, and a sampled text must
-        depend on its seed alone."""
+        `paced`: Payoff applies (the scheduler's or heuristic's greedy requests). A fixed schedule alone drafts
+        every round, as it was asked to (as in `treegraft eval`), and so does a sampled request: Payoff decides
+        from timings, and a sampled text must depend on its seed alone."""
         drafting_ms = self._drafting.update(stats, payoff, spent)
         payoff.middle = True  # every drafted round drafts as the policy says, but where Payoff says otherwise
         lb = self._pass_costs(cfg)  # measured by the first round that needs them, unless warm() measured them
@@ -393,7 +394,7 @@ class Coordinator:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active, drafting_ms, payoff if greedy else None)
+        return lb(self._active, drafting_ms, payoff if paced else None)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -436,7 +437,7 @@ class Coordinator:
                 draft = RoundDrafter(ngram, middle, timer)
 
                 def round_budget() -> int:
-                    size = self._round_budget(cfg, stats, spent, payoff, greedy)
+                    size = self._round_budget(cfg, stats, spent, payoff, greedy and pattern is None)
                     draft.middle_on = payoff.middle
                     if prefetch:  # a round without the middle needs no catch-up: leave the middle actor free
                         middle.prefetch = size > 1 and payoff.middle

@@ -221,18 +221,17 @@ class LoadBudget:
 
 
 class Payoff:
-    """Whether drafting pays for one request running alone, from its own rounds: a round drafted as the policy
-    says accepts `accepted` tokens (a running mean, starting from what the method's earlier requests saw) for
-    a pass of `size` nodes plus the drafting time, where a plain step gets 1 token for a 1-row pass. While
-    that rate is at least the plain step's, every round drafts as the policy says (`middle`: the middle
-    drafter may be called). Where it is lower, rounds become plain steps, and one round in `patience`
-    explores, in turn: a round drafted as the policy says, or a small tree (LoadBudget.probe_size nodes,
-    about a plain step's pass) drafted by the n-gram drafter alone, which costs about a millisecond where a
-    middle call and its catch-up cost a good part of a step. An exploring round that did well (beat the mean;
-    for the n-gram drafter alone, took a drafted token) brings the next one a round later, and where the
-    n-gram drafter's small trees pay (copied text) every round is one; one that did not doubles `patience`,
-    up to MAX_PATIENCE. So a request whose text turns predictable drafts again within a few rounds, at little
-    cost where it does not. Output is unaffected: only the tree and who drafts it change.
+    """Whether drafting pays for one request running alone, from its own rounds: a drafted round accepts
+    `accepted` tokens (a running mean, starting from what the method's earlier requests saw) for a pass of
+    `size` nodes plus the drafting time, where a plain step gets 1 token for a 1-row pass. While that rate is
+    at least the plain step's, every round drafts as the policy says (`middle`: the middle drafter may be
+    called). Where it is lower, rounds become plain steps, and one round in `patience` explores with a small
+    tree (LoadBudget.probe_size nodes, about a plain step's pass) drafted by the n-gram drafter alone, which
+    costs about a millisecond where a middle call and its catch-up cost a good part of a step. An exploring
+    round that took a drafted token brings the next one a round later (and where such rounds pay, every
+    round is one: copied text); one that took none doubles `patience`, up to MAX_PATIENCE. Exploring rounds
+    count in the running mean too, so text that turns predictable brings back the policy's rounds. Output is
+    unaffected: only the tree and who drafts it change.
     """
 
     MAX_PATIENCE = 8
@@ -251,17 +250,16 @@ class Payoff:
         self.plain_run = 0  # plain rounds since the last drafted one
         self.patience = 1
         self.middle = True  # this round is drafted as the policy says (False: a plain step or an n-gram round)
-        self._full_next = False  # the next exploring round is drafted as the policy says
 
     def observe(self, size: int, accepted: int) -> None:
         """A round of this request verified `size` nodes and accepted `accepted` tokens."""
         if size <= 1:
             self.plain_run += 1
             return
+        better = self.accepted is not None and accepted > self.accepted
         a = self.SMOOTHING
+        self.accepted = accepted if self.accepted is None else self.accepted + a * (accepted - self.accepted)
         if self.middle:
-            better = self.accepted is not None and accepted > self.accepted
-            self.accepted = accepted if self.accepted is None else self.accepted + a * (accepted - self.accepted)
             self.size = size if not self.size else self.size + a * (size - self.size)
         else:
             better = accepted > 1
@@ -286,18 +284,13 @@ class Payoff:
 
     def plan(self, cost, drafting_ms: float, budget: int, probe: int) -> int:
         """This round's tree size: `budget` (drafted as the policy says) while that pays, `probe` (the n-gram
-        drafter alone) while those pay, else 1 (a plain step) but for an exploring round. Sets `middle`."""
+        drafter alone) while those pay and for an exploring round, else 1 (a plain step). Sets `middle`."""
         if self.pays(cost, drafting_ms, budget):
             self.middle = True
             return budget
         self.middle = False
-        if self.probe_accepted is not None and self.probe_accepted / cost(probe) >= 1.0 / cost(1):
-            return probe
-        if self.plain_run < self.patience:
-            return 1
-        self._full_next = not self._full_next
-        self.middle = self._full_next
-        return budget if self.middle else probe
+        probing_pays = self.probe_accepted is not None and self.probe_accepted / cost(probe) >= 1.0 / cost(1)
+        return probe if probing_pays or self.plain_run >= self.patience else 1
 
 
 DRAFTING_PHASES = ("ngram", "middle", "scheduler")
