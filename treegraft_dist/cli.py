@@ -213,10 +213,8 @@ def cmd_generate(args) -> int:
         with distributed_engine(args, target, middle, cfg, sampling) as engine:
             gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
-        # treegraft drafts only while drafting pays on this device (sizing.Payoff), as `treegraft eval` runs it.
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
-                          sizer=device_sizer(args, target) if sized else None,
-                          verify_ms=device_costs(args, target) if args.method == "treegraft" else None)
+                          sizer=device_sizer(args, target) if sized else None)
         gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
@@ -404,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--benchmark-file", action="append", default=[], help="extra JSONL file (question_id, category, turns); repeatable")
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s; also value-planner, oracle) or 5-bit patterns; a fixed "
                         "method with @published (all-small@published) runs the published tree settings; @sized sizes each "
-                        "round's tree; treegraft@always drafts every round, where treegraft drafts while drafting pays")
+                        "round's tree; treegraft@paced drafts only while drafting pays, as the server runs a request alone")
     e.add_argument("--prompts-per-benchmark", type=int, default=2)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--budget", default="auto",

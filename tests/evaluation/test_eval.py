@@ -302,16 +302,16 @@ def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):
     assert len(sized) == 2 and all(1.0 <= m <= max(profile) for m in sized)
 
 
-def test_treegraft_always_drafts_every_round_beside_treegraft(pair, tmp_path):
-    """treegraft drafts while drafting pays for the request (sizing.Payoff, with this device's profile);
-    treegraft@always drafts every round at the same budget; both reproduce `ar`."""
+def test_treegraft_paced_drafts_while_it_pays_beside_treegraft(pair, tmp_path):
+    """treegraft@paced drafts while drafting pays for the request (sizing.Payoff, with this device's profile);
+    treegraft drafts every round at the same budget; both reproduce `ar`."""
     target, middle = pair
-    cfg = EvalConfig(benchmarks=["humaneval"], methods=["treegraft", "treegraft@always"], prompts_per_benchmark=1,
+    cfg = EvalConfig(benchmarks=["humaneval"], methods=["treegraft", "treegraft@paced"], prompts_per_benchmark=1,
                      max_new_tokens=16, out=tmp_path / "o", budget=8, cache_dir=tmp_path / "cache")
     ev = Evaluation(target, middle, cfg)
-    assert ev._decoder("treegraft", 8).alone is not None and ev._decoder("treegraft@always", 8).alone is None
+    assert ev._decoder("treegraft@paced", 8).alone is not None and ev._decoder("treegraft", 8).alone is None
     summary = ev.run()
     assert summary.mismatches == []
-    assert {r["method"] for r in summary.rows} == {"ar", "treegraft", "treegraft@always"}
+    assert {r["method"] for r in summary.rows} == {"ar", "treegraft", "treegraft@paced"}
     with pytest.raises(ValueError, match="unknown method"):
-        EvalConfig(methods=["all-small@always"])
+        EvalConfig(methods=["all-small@paced"])

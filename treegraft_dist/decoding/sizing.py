@@ -238,12 +238,10 @@ class Payoff:
     SMOOTHING = 0.3
     MIN_ROUNDS = 2  # drafted rounds of its own before a request can be switched to plain steps
 
-    def __init__(self, accepted: float | None = None, prior: bool = False):
-        """`accepted`: what the method's earlier requests' drafted rounds accepted; `prior`: those requests also
-        measured what drafting costs, so this one judges from its first round (else it drafts MIN_ROUNDS
-        rounds first)."""
+    def __init__(self, accepted: float | None = None):
+        """`accepted`: what the method's earlier requests' drafted rounds accepted (their drafting time is not
+        trusted to stop a new request drafting: each drafts MIN_ROUNDS rounds of its own first)."""
         self.accepted = accepted  # tokens a round drafted as the policy says accepts (bonus included)
-        self.prior = prior and accepted is not None
         self.size = 0.0  # nodes such a round verifies (running mean)
         self.probe_accepted: float | None = None  # tokens a round of the n-gram drafter alone accepts
         self.rounds = 0  # drafted rounds seen
@@ -276,9 +274,9 @@ class Payoff:
         return self.accepted / (cost(self.size or budget) + drafting_ms)
 
     def pays(self, cost, drafting_ms: float, budget: int = 1) -> bool:
-        """Draft as the policy says this round? While the drafted rate is at least the plain step's; without a
-        prior, always for the first MIN_ROUNDS."""
-        if self.accepted is None or (self.rounds < self.MIN_ROUNDS and not self.prior):
+        """Draft as the policy says this round? Always for the first MIN_ROUNDS; then while the drafted rate is
+        at least the plain step's."""
+        if self.accepted is None or self.rounds < self.MIN_ROUNDS:
             return True
         return self.drafting_rate(cost, drafting_ms, budget) >= 1.0 / cost(1)
 
@@ -308,8 +306,7 @@ class DraftingMeans:
 
     def start(self, method: str) -> tuple[Payoff, list[float]]:
         """A new request's Payoff and its drafting-seconds marker (for `update`)."""
-        means = self.by_method.get(method, {})
-        return Payoff(means.get("accepted"), prior="ms" in means), [0.0]
+        return Payoff(self.by_method.get(method, {}).get("accepted")), [0.0]
 
     def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
         """Before a round of a request (`stats`: its RequestStats so far): learn from its last round and give

@@ -46,9 +46,9 @@ from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questio
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .methods import (
     ALL_METHODS,
-    ALWAYS,
     DEFAULT_METHODS,
     ORACLE,
+    PACED,
     PUBLISHED,
     SIZED,
     TREEGRAFT,
@@ -201,16 +201,15 @@ class Evaluation:
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
-        # The product method drafts only while drafting pays (sizing.Payoff), as the server runs it; the
-        # fixed schedules, the planners and the oracle draft every round, as their comparisons need.
+        # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
         return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
-                       sizer=sizer, verify_ms=self.verify_ms() if method == TREEGRAFT else None)
+                       sizer=sizer, verify_ms=self.verify_ms() if method == TREEGRAFT + PACED else None)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and (PUBLISHED in method or SIZED in method or ALWAYS in method):
+        if self.engine is not None and (PUBLISHED in method or SIZED in method or PACED in method):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if method == ORACLE:

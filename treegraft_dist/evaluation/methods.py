@@ -10,8 +10,8 @@
   hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
 
 Suffixes: a fixed schedule with @published runs the published tree settings; a fixed schedule or treegraft
-with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@always
-drafts every round at its budget, where treegraft drafts only while drafting pays for the request.
+with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
+only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round.
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ PUBLISHED = "@published"
 # of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
 SIZED = "@sized"
 
-# treegraft with this suffix drafts every round at its budget: what sizing.Payoff (plain steps and cheap
-# exploring rounds where drafting does not pay for a request) buys, side by side.
-ALWAYS = "@always"
+# treegraft with this suffix drafts only while drafting pays for the request (sizing.Payoff: plain steps and
+# cheap exploring rounds where it does not), as the server runs a request alone; side by side with treegraft.
+PACED = "@paced"
 
 
 def artifact_base(m: str) -> str | None:
-    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized or @always for treegraft;
+    """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized or @paced for treegraft;
     else None."""
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + ALWAYS) else None
+    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + PACED) else None
 
 
 def fixed_base(m: str) -> str | None:
