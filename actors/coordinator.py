@@ -387,7 +387,6 @@ class Coordinator:
         every round, as it was asked to (as in `treegraft eval`), and so does a sampled request: Payoff decides
         from timings, and a sampled text must depend on its seed alone."""
         drafting_ms = self._drafting.update(stats, payoff, spent)
-        payoff.middle = True  # every drafted round drafts as the policy says, but where Payoff says otherwise
         lb = self._pass_costs(cfg)  # measured by the first round that needs them, unless warm() measured them
         with self._lock:
             while self.batcher.unread:  # what passes really cost, shared as they are

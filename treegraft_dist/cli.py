@@ -159,20 +159,14 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     return found[0]
 
 
-def device_costs(args, target: LoadedModel) -> dict[int, float]:
-    """This device's verification milliseconds by tree size (measured once, cached)."""
+def device_sizer(args, target: LoadedModel):
+    """treegraft sizes every round's tree for this device's verification costs (measured once, cached), up to
+--budget or the largest size measured."""
     from .decoding.costs import latency_profile
+    from .decoding.sizing import TreeSizer
     from .models.prepare import cache_root
 
-    return latency_profile(target.lm, target.source, cache_root(args.cache_dir))
-
-
-def device_sizer(args, target: LoadedModel):
-    """treegraft sizes every round's tree for this device's verification costs, up to --budget or the largest
-size measured."""
-    from .decoding.sizing import TreeSizer
-
-    costs = device_costs(args, target)
+    costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
 
 

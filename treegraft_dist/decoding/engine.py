@@ -226,9 +226,7 @@ class Decoder:
                 payoff, spent = self.drafting.start(policy.name)
 
                 def budget() -> int:  # the budget while drafting pays, else plain steps and exploring rounds
-                    drafting_ms = self.drafting.update(stats, payoff, spent)
-                    payoff.middle = True
-                    return self.alone(1, drafting_ms, payoff)
+                    return self.alone(1, self.drafting.update(stats, payoff, spent), payoff)
 
                 def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
                     live = middle if payoff.middle else None  # an exploring round: the n-gram drafter alone

@@ -207,6 +207,8 @@ class LoadBudget:
     def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None) -> int:
         if active <= 1:
             return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size)
+        if payoff is not None:
+            payoff.middle = True  # under load every drafted round drafts as the policy says
         gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (active * drafting_ms if b > 1 else 0.0))
                 for b in self.candidates]
         return self.candidates[int(np.argmax(gain))]
