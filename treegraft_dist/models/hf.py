@@ -28,6 +28,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 # to the bit, 3-6x faster attention). transformers reads this switch at every call; on CUDA its default
 # stays (a masked grouped-query pass would leave the fused kernels).
 SDPA_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+# On CUDA torch ranks cuDNN's fused attention first where it applies (Hopper), and it spends about 1.2 ms of
+# host time on every call: a 28-layer target's one-token step took 61 ms (median) with it and 20 ms with torch's
+# memory-efficient kernel, the same kernel a masked tree pass gets (H200, torch 2.11, CUDA 13; `jobs/bench_step.py`).
+# Decoding here is host-bound on a GPU, so it stays off unless this is "1".
+CUDNN_SDPA_ENV = "TREEGRAFT_CUDNN_SDPA"
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -132,6 +137,8 @@ class CausalLM:
         self._draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
         if self.device.type == "cpu":
             os.environ.setdefault(SDPA_GQA_ENV, "1")  # =0 keeps transformers' copies
+        elif self.device.type == "cuda" and os.environ.get(CUDNN_SDPA_ENV) != "1":
+            torch.backends.cuda.enable_cudnn_sdp(False)  # process-wide: torch has no per-module switch
 
     def compact_linears(self, folder: str | None = None) -> bool:
         """On a CPU in fp32, run every linear layer whose weight has an exact compact form (16-bit values, or
