@@ -15,7 +15,8 @@ output is compared with `ar`'s at the same concurrency and prompt: `exact` or, i
 target's logits is what lossless decoding may give (lossless.classify, with the target loaded after the runs);
 the table gives exact/near-tie/mismatch per run.
 Requests are benchmark prompts (chat-formatted first turns, spread over the six benchmarks).
-`--repeats N` runs every cell N times, rotating the methods' order, and the table gives the median.
+`--alone K` makes the 1-request cell K prompts (over the six benchmarks) sent one at a time, each alone in
+flight: one prompt says little about a request alone. `--repeats N` runs every cell N times, rotating the methods' order, and the table gives the median.
 Each cell also counts the target's forward passes and the requests' pieces of work a pass held on average
 (prefill chunks, trees, plain steps). Prints a Markdown table; `--out FILE.parquet` also writes the rows (one per run).
 """
@@ -81,8 +82,18 @@ def bench_prompts(tok, n: int) -> list[list[int]]:
     return [chat_prompt(tok, [q.turns[0]], []) for q in qs]
 
 
-def run_cell(engine, prompts, tokens, method, eos):
+def run_cell(engine, prompts, tokens, method, eos, one_at_a_time=False):
+    """All `prompts` at once, or `one_at_a_time` (each request alone in flight, the next sent when it ends)."""
     t0 = time.perf_counter()
+    if one_at_a_time:
+        gens, lat = [], []
+        for p in prompts:
+            start = time.perf_counter()
+            gens.append(engine.result(engine.submit(p, tokens, method, eos)))
+            lat.append(time.perf_counter() - start)
+        wall = time.perf_counter() - t0
+        return gens, sum(len(g.tokens) for g in gens) / wall, statistics.mean(lat), sorted(lat)[
+            max(0, int(0.9 * len(lat)) - 1)]
     refs = [engine.submit(p, tokens, method, eos) for p in prompts]
     outs, lat = [], []
     pending = dict(zip([r for r in refs], range(len(refs))))
@@ -130,6 +141,8 @@ def main() -> None:
                          "their order; the table gives the median tokens/s (the box drifts between cells)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of each model actor (default: for_device's, the cores a plain process uses)")
+    ap.add_argument("--alone", type=int, default=1,
+                    help="at concurrency 1, this many prompts (over the six benchmarks) sent one at a time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -140,7 +153,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         t_path, m_path, tok = pair_paths(args.pair, d)
         eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
-        prompts = bench_prompts(tok, max(levels))
+        prompts = bench_prompts(tok, max(levels + [args.alone]))
         default, budget, which = served_default(args.pair, t_path, m_path, args.dtype,
                                                 args.threads or for_device("cpu", 1).torch_threads)
         args.budget = args.budget or budget
@@ -162,7 +175,9 @@ def main() -> None:
                         name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
                         method = default if name == "treegraft" else name
                         before = engines[adapt].target_passes()
-                        gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:c], args.tokens, method, eos)
+                        alone = c == 1 and args.alone > 1
+                        gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:args.alone if alone else c],
+                                                             args.tokens, method, eos, one_at_a_time=alone)
                         passes, items = (b - a for a, b in zip(before, engines[adapt].target_passes()))
                         acc = statistics.mean(g.stats.mean_accepted for g in gens)
                         size = statistics.mean(n for g in gens for n in g.stats.tree_sizes or [1])

@@ -162,7 +162,38 @@ def test_exploring_rounds_are_small_and_drafted_without_the_middle():
     # so every round from then on is one (the n-gram drafter alone), while rounds with the middle drafter
     # (150 ms of drafting) do not pay yet.
     assert plan == [plain] * 8 + [probe] * 4, plan
-    assert lb(1, 150.0, Payoff(1.2)) == 8  # whatever earlier requests saw, a request's own first rounds draft
+    assert lb(1, 150.0, Payoff(1.2)) == 8  # untrusted, what earlier requests saw does not stop its own first rounds
+
+
+def test_later_requests_start_from_what_earlier_ones_measured_and_some_still_explore():
+    from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget
+    from treegraft_dist.decoding.stats import RequestStats
+
+    lb = LoadBudget(8, {1: 100.0, 2: 105.0, 4: 112.0, 8: 200.0})
+    means = DraftingMeans()
+
+    def request(accepts: int) -> list[int]:
+        """One request alone, every drafted round taking `accepts` tokens and costing 150 ms to draft."""
+        stats, (payoff, spent) = RequestStats("treegraft"), means.start("treegraft")
+        sizes = []
+        for _ in range(4):
+            size = lb(1, means.update(stats, payoff, spent), payoff)
+            drafted = size > 1 and payoff.middle
+            stats.seconds["middle"] += 0.15 if drafted else 0.0
+            stats.tree_sizes.append(size)
+            stats.accepted.append(accepts if drafted else 1)
+            sizes.append(size)
+        return sizes
+
+    assert request(1)[:2] == [8, 8]  # the first request drafts its own first rounds, and they do not pay
+    later = [request(1) for _ in range(DraftingMeans.EXPLORE_EVERY - 1)]
+    assert all(s[0] == 1 and 8 not in s for s in later), later  # the next ones trust that: plain steps from round 1
+    assert request(1)[:2] == [8, 8]  # one request in EXPLORE_EVERY measures again
+    # Where drafting pays (4 tokens a round for 350 ms against a 100-ms step), the next requests draft at once.
+    fresh = DraftingMeans()
+    means = fresh
+    request(4)
+    assert request(4) == [8, 8, 8, 8]
 
 
 @pytest.mark.parametrize("middle", ["close", "random"])
@@ -174,13 +205,14 @@ def test_drafting_only_while_it_pays_equals_target_greedy(middle):
     tree = TreeConfig(budget=8)
     costly = Decoder(target, mid, tree, verify_ms={1: 10.0, 2: 1000.0, 4: 1000.0, 8: 1000.0})  # trees never pay
     free = Decoder(target, exact, tree, verify_ms={1: 1e3, 2: 1e3, 4: 1e3, 8: 1e3})  # a tree costs a step
-    for prompt in prompts(8)[-3:]:  # a random prompt, then two repetitive ones
+    for i, prompt in enumerate(prompts(8)[-3:]):  # a random prompt, then two repetitive ones
         a, b = costly.generate(prompt, 40, "01001"), free.generate(prompt, 40, "all-mid")
         assert a.tokens == b.tokens == hf_greedy(target, prompt, 40), (middle, prompt)
         plain = a.stats.tree_sizes.count(1)
         assert plain > len(a.stats.tree_sizes) / 2, a.stats.tree_sizes  # mostly plain steps
-        assert a.stats.tree_sizes[:2] == [8, 8]  # a request's first rounds draft
-        first = 2
+        # The first request drafts its first rounds; the next ones trust what it measured (DraftingMeans).
+        first = 2 if i == 0 else 0
+        assert a.stats.tree_sizes[:2] == ([8, 8] if i == 0 else [1, 2]), a.stats.tree_sizes
         # Other drafted rounds explore: 2 nodes (the smallest tree), drafted by the n-gram drafter alone.
         explored = [(s, c) for s, c in zip(a.stats.tree_sizes[first:], a.stats.middle_calls[first:]) if s > 1]
         assert explored and all(s == 2 and c == 0 for s, c in explored), explored

@@ -234,17 +234,22 @@ class Payoff:
     round is one: copied text); one that took none doubles `patience`, up to MAX_PATIENCE. Exploring rounds
     count in the running mean too, so text that turns predictable brings back the policy's rounds. Output is
     unaffected: only the tree and who drafts it change.
+
+    A request drafts its own first MIN_ROUNDS rounds unless it `trusts` the prior its method's earlier requests
+    left (DraftingMeans decides which requests do): then its first round already follows that verdict, which
+    saves a request on text the middle drafter does not know its calls (and its read of the prompt).
     """
 
     MAX_PATIENCE = 8
     SMOOTHING = 0.3
     MIN_ROUNDS = 2  # drafted rounds of its own before a request can be switched to plain steps
 
-    def __init__(self, accepted: float | None = None):
-        """`accepted`: what the method's earlier requests' drafted rounds accepted (their drafting time is not
-        trusted to stop a new request drafting: each drafts MIN_ROUNDS rounds of its own first)."""
+    def __init__(self, accepted: float | None = None, size: float = 0.0, trust: bool = False):
+        """`accepted`, `size`: what the method's earlier requests' drafted rounds accepted and verified. Unless
+        `trust`, the request drafts MIN_ROUNDS rounds of its own before they can stop it drafting."""
         self.accepted = accepted  # tokens a round drafted as the policy says accepts (bonus included)
-        self.size = 0.0  # nodes such a round verifies (running mean)
+        self.size = size  # nodes such a round verifies (running mean)
+        self.min_rounds = 0 if trust and accepted is not None else self.MIN_ROUNDS
         self.probe_accepted: float | None = None  # tokens a round of the n-gram drafter alone accepts
         self.rounds = 0  # drafted rounds seen
         self.plain_run = 0  # plain rounds since the last drafted one
@@ -276,9 +281,9 @@ class Payoff:
         return self.accepted / (cost(self.size or budget) + drafting_ms)
 
     def pays(self, cost, drafting_ms: float, budget: int = 1) -> bool:
-        """Draft as the policy says this round? Always for the first MIN_ROUNDS; then while the drafted rate is
-        at least the plain step's."""
-        if self.accepted is None or self.rounds < self.MIN_ROUNDS:
+        """Draft as the policy says this round? Always for the first MIN_ROUNDS (unless the prior is trusted);
+        then while the drafted rate is at least the plain step's."""
+        if self.accepted is None or self.rounds < self.min_rounds:
             return True
         return self.drafting_rate(cost, drafting_ms, budget) >= 1.0 / cost(1)
 
@@ -298,17 +303,29 @@ DRAFTING_PHASES = ("ngram", "middle", "scheduler")
 
 class DraftingMeans:
     """Per method, running means over its requests of what a round drafted as the policy says costs and gets
-    (exploring rounds are left out): {"ms": drafting milliseconds, "accepted": tokens accepted}, so that a
-    request starts from what the earlier ones measured. A request's first drafted round is left out of "ms":
-    it pays the middle drafter's read of the prompt once, a cost no later round repeats and no tree size can
-    save."""
+    (exploring rounds are left out): {"ms": drafting milliseconds, "accepted": tokens accepted, "size": nodes
+    verified}, so that a request starts from what the earlier ones measured. A request's first drafted round
+    is left out of "ms": it pays the middle drafter's read of the prompt once, a cost no later round repeats
+    and no tree size can save.
+
+    Every request but one in EXPLORE_EVERY (the method's first among them) trusts those means from its first
+    round: where they say drafting does not pay, it starts with plain steps and exploring rounds, and drafts
+    as the policy says only once its own text shows drafting pays. The others draft their own first rounds
+    whatever the means say, so the means keep being measured: a verdict taken once (on a busy hour, a run of
+    unpredictable prompts) cannot keep the middle drafter out for good."""
+
+    EXPLORE_EVERY = 4
 
     def __init__(self):
         self.by_method: dict[str, dict[str, float]] = {}
 
     def start(self, method: str) -> tuple[Payoff, list[float]]:
         """A new request's Payoff and its drafting-seconds marker (for `update`)."""
-        return Payoff(self.by_method.get(method, {}).get("accepted")), [0.0]
+        means = self.by_method.setdefault(method, {})
+        seen = means.get("requests", 0)
+        means["requests"] = seen + 1
+        trust = seen % self.EXPLORE_EVERY != 0
+        return Payoff(means.get("accepted"), means.get("size", 0.0), trust), [0.0]
 
     def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
         """Before a round of a request (`stats`: its RequestStats so far): learn from its last round and give
@@ -316,8 +333,9 @@ class DraftingMeans:
         now = sum(stats.seconds[k] for k in DRAFTING_PHASES)
         means = self.by_method.setdefault(stats.method, {})
         if stats.tree_sizes and stats.tree_sizes[-1] > 1 and payoff.middle:  # the last round drafted as the policy says
-            got = stats.accepted[-1]
+            got, size = stats.accepted[-1], stats.tree_sizes[-1]
             means["accepted"] = got if "accepted" not in means else means["accepted"] + 0.1 * (got - means["accepted"])
+            means["size"] = size if "size" not in means else means["size"] + 0.1 * (size - means["size"])
             if payoff.rounds:  # not the request's first drafted round
                 ms = 1e3 * (now - spent[0])
                 means["ms"] = ms if "ms" not in means else means["ms"] + 0.3 * (ms - means["ms"])
