@@ -43,8 +43,8 @@ from treegraft_dist.decoding.errors import QueueTimeout
 from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import SchedulePolicy
-from treegraft_dist.decoding.signals import Timings, context_signals
-from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget, Payoff
+from treegraft_dist.decoding.signals import READ_BLOCK, Timings, context_signals
+from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget, Payoff, Reading
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -204,9 +204,12 @@ class Coordinator:
                 if self._timings is None:
                     gen = self.target.wait_ready()
                     t_tgt = self.target.call(gen, "forward_ms", self.cfg.budget, check=False)
-                    t_mid = (ray.get(self.middle_host.forward_ms.remote(self.cfg.budget),
-                                     timeout=self.res.load_timeout_s) if self.middle_host else 1.0)
-                    self._timings = Timings(t_tgt, t_mid)
+                    t_mid, t_read = 1.0, 0.0
+                    if self.middle_host:
+                        t_mid, t_read = ray.get([self.middle_host.forward_ms.remote(n) for n in (self.cfg.budget,
+                                                                                               READ_BLOCK)],
+                                                timeout=self.res.load_timeout_s)
+                    self._timings = Timings(t_tgt, t_mid, t_read / READ_BLOCK if self.middle_host else 0.0)
         return self._timings
 
     # -- requests -------------------------------------------------------------------------------------
@@ -379,13 +382,14 @@ class Coordinator:
         return self._load_budget
 
     def _round_budget(self, cfg: TreeConfig, stats: RequestStats, spent: list[float], payoff: Payoff,
-                      paced: bool) -> int:
+                      paced: bool, reading: Reading | None) -> int:
         """This round's tree size: cfg.budget alone while drafting pays for this request (`payoff`; else plain
         steps and exploring rounds drafted without the middle drafter), smaller as more requests share the
         target's passes. `spent`: the request's drafting seconds so far, as last seen here (DraftingMeans).
         `paced`: Payoff applies (the scheduler's or heuristic's greedy requests). A fixed schedule alone drafts
         every round, as it was asked to (as in `treegraft eval`), and so does a sampled request: Payoff decides
-        from timings, and a sampled text must depend on its seed alone."""
+        from timings, and a sampled text must depend on its seed alone. `reading`: where the request stands, to
+        price the middle drafter's read of the context it has not seen (None: no middle drafter)."""
         drafting_ms = self._drafting.update(stats, payoff, spent)
         lb = self._pass_costs(cfg)  # measured by the first round that needs them, unless warm() measured them
         with self._lock:
@@ -393,7 +397,7 @@ class Coordinator:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted:
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self._active, drafting_ms, payoff if paced else None)
+        return lb(self._active, drafting_ms, payoff if paced else None, reading)
 
     def _generate_ar(self, rid, gen, prompt, max_new, eos, seed, sampling, progress) -> Generation:
         return decode_plain(lambda p: self.batcher.prefill(gen, rid, p, seed, False, sampling)[0],
@@ -436,7 +440,10 @@ class Coordinator:
                 draft = RoundDrafter(ngram, middle, timer)
 
                 def round_budget() -> int:
-                    size = self._round_budget(cfg, stats, spent, payoff, greedy and pattern is None)
+                    done = 1 + sum(stats.accepted)
+                    reading = None if middle is None else Reading(len(prompt) + done, max_new - done,
+                                                                  self.timings.read_ms)
+                    size = self._round_budget(cfg, stats, spent, payoff, greedy and pattern is None, reading)
                     draft.middle_on = payoff.middle
                     if prefetch:  # a round without the middle needs no catch-up: leave the middle actor free
                         middle.prefetch = size > 1 and payoff.middle

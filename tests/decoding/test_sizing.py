@@ -196,6 +196,30 @@ def test_later_requests_start_from_what_earlier_ones_measured_and_some_still_exp
     assert request(4) == [8, 8, 8, 8]
 
 
+def test_the_middle_drafters_read_of_unseen_context_is_priced_against_the_tokens_left():
+    from treegraft_dist.decoding.sizing import LoadBudget, Payoff, Reading
+
+    lb = LoadBudget(8, {1: 100.0, 2: 105.0, 4: 112.0, 8: 200.0})
+    # Earlier requests: 4 tokens a round for a 200-ms pass and 50 ms of drafting, against 1 token a 100-ms step:
+    # over 100 tokens drafting saves 10,000 - 6,250 ms.
+    def trusting() -> Payoff:
+        return Payoff(4.0, 8.0, trust=True)
+
+    assert lb(1, 50.0, trusting(), Reading(context=200, remaining=100, token_ms=3.0)) == 8  # a 600-ms read pays
+    assert lb(1, 50.0, trusting(), Reading(context=2000, remaining=100, token_ms=3.0)) < 8  # a 6-s read does not
+    assert lb(1, 50.0, trusting(), Reading(context=200, remaining=5, token_ms=3.0)) < 8  # nor 600 ms for 5 tokens
+    payoff = trusting()
+    assert lb(1, 50.0, payoff, Reading(200, 100, 3.0)) == 8 and payoff.middle
+    # Once the middle drafter has read up to the round's root, the next round only prices what it lags.
+    payoff.observe(8, 4)
+    assert lb(1, 50.0, payoff, Reading(204, 5, 3.0)) == 8
+    # Unmeasured, a request's first rounds explore with the middle unless even saving half the remaining time
+    # could not pay the read back: a request under load, alone for its last 3 tokens of a long text.
+    assert lb(1, 50.0, Payoff(), Reading(60, 32, 3.0)) == 8
+    fresh = Payoff()
+    assert lb(1, 50.0, fresh, Reading(900, 3, 3.0)) < 8 and not fresh.middle
+
+
 @pytest.mark.parametrize("middle", ["close", "random"])
 def test_drafting_only_while_it_pays_equals_target_greedy(middle):
     """With the device's costs the decoder drafts while drafting pays and takes plain steps where it does not;

@@ -41,7 +41,7 @@ from .config import TreeConfig
 from .ngram import NGramDrafter
 from .schedule import NUM_SCHEDULES, SCHEDULES
 from .scheduler import LearnedScheduler, SchedulerInfo, SchedulerMLP
-from .signals import MAX_LAYERS, Timings, compute_signals, context_signals
+from .signals import MAX_LAYERS, READ_BLOCK, Timings, compute_signals, context_signals
 from .stats import synchronize
 from .tree import ORIGIN_NGRAM, DraftTree, Proposal, next_frontier
 from .verify import tree_attention
@@ -230,7 +230,7 @@ class CostModel:
 
     def timings(self, budget: int) -> Timings:
         """T_tgt and T_mid as the engine measures them (one forward over a budget-sized block)."""
-        return Timings(self.verify(budget), self.middle(budget))
+        return Timings(self.verify(budget), self.middle(budget), self.middle(READ_BLOCK) / READ_BLOCK)
 
     def to_dict(self) -> dict:
         d = asdict(self)

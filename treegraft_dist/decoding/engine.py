@@ -24,8 +24,8 @@ from .neural import NeuralDrafter
 from .ngram import NGramDrafter, PrefillCache
 from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
-from .signals import Timings, compute_signals, context_signals
-from .sizing import DraftingMeans, LoadBudget, TreeSizer
+from .signals import READ_BLOCK, Timings, compute_signals, context_signals
+from .sizing import DraftingMeans, LoadBudget, Reading, TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
@@ -199,8 +199,10 @@ class Decoder:
     def timings(self) -> Timings:
         """Warm target and middle forward times (ms) over one full-budget tree; measured once."""
         if self._timings is None:
-            self._timings = Timings(forward_ms(self.target, self.cfg.budget),
-                                    forward_ms(self.middle, self.cfg.budget, drafting=True) if self.middle else 1.0)
+            self._timings = Timings(
+                forward_ms(self.target, self.cfg.budget),
+                forward_ms(self.middle, self.cfg.budget, drafting=True) if self.middle else 1.0,
+                forward_ms(self.middle, READ_BLOCK, drafting=True) / READ_BLOCK if self.middle else 0.0)
         return self._timings
 
     # -- methods --------------------------------------------------------------------------------------
@@ -226,7 +228,9 @@ class Decoder:
                 payoff, spent = self.drafting.start(policy.name)
 
                 def budget() -> int:  # the budget while drafting pays, else plain steps and exploring rounds
-                    return self.alone(1, self.drafting.update(stats, payoff, spent), payoff)
+                    done = 1 + sum(stats.accepted)
+                    reading = Reading(len(prompt) + done, max_new - done, self.timings.read_ms)
+                    return self.alone(1, self.drafting.update(stats, payoff, spent), payoff, reading)
 
                 def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
                     live = middle if payoff.middle else None  # an exploring round: the n-gram drafter alone

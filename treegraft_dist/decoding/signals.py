@@ -38,6 +38,10 @@ class Timings:
 
     t_tgt_ms: float
     t_mid_ms: float
+    read_ms: float = 0.0  # the middle drafter's read of context, a token (a READ_BLOCK forward's share; 0: unknown)
+
+
+READ_BLOCK = 64  # tokens of the forward that prices the middle drafter's read of context it has not seen
 
 
 def context_signals(prompt_len: int, timings: Timings) -> np.ndarray:  # [4]

@@ -204,9 +204,11 @@ class LoadBudget:
             seen = (accepted - 1) / np.log2(size)
             self.alpha += self.smoothing * (seen - self.alpha)
 
-    def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None) -> int:
+    def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None,
+                 reading: Reading | None = None) -> int:
         if active <= 1:
-            return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size)
+            return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size,
+                                                                  reading)
         if payoff is not None:
             payoff.middle = True  # under load every drafted round drafts as the policy says
         gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (active * drafting_ms if b > 1 else 0.0))
@@ -220,6 +222,17 @@ class LoadBudget:
         plain step."""
         fits = [b for b in range(2, self.budget + 1) if self.cost(b) <= PROBE_COST * self.cost(1)]
         return max(fits, default=min(2, self.budget))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Where a request stands before a round, for pricing the middle drafter's read of the context it has not
+    seen: `context` tokens so far (prompt and output), `remaining` tokens still to generate, `token_ms` what
+    the middle drafter's read costs a token."""
+
+    context: int
+    remaining: int
+    token_ms: float
 
 
 class Payoff:
@@ -243,6 +256,7 @@ class Payoff:
     MAX_PATIENCE = 8
     SMOOTHING = 0.3
     MIN_ROUNDS = 2  # drafted rounds of its own before a request can be switched to plain steps
+    BEST_SAVING = 0.5  # of the remaining plain steps' time: the most drafting is assumed to save while unmeasured
 
     def __init__(self, accepted: float | None = None, size: float = 0.0, trust: bool = False):
         """`accepted`, `size`: what the method's earlier requests' drafted rounds accepted and verified. Unless
@@ -255,6 +269,7 @@ class Payoff:
         self.plain_run = 0  # plain rounds since the last drafted one
         self.patience = 1
         self.middle = True  # this round is drafted as the policy says (False: a plain step or an n-gram round)
+        self.read = 0  # context tokens the middle drafter has read (as far as the rounds drafted as the policy says)
 
     def observe(self, size: int, accepted: int) -> None:
         """A round of this request verified `size` nodes and accepted `accepted` tokens."""
@@ -280,18 +295,30 @@ class Payoff:
         (`budget`: the size before a round of its own says)."""
         return self.accepted / (cost(self.size or budget) + drafting_ms)
 
-    def pays(self, cost, drafting_ms: float, budget: int = 1) -> bool:
+    def pays(self, cost, drafting_ms: float, budget: int = 1, catch_up_ms: float = 0.0,
+             remaining: int | None = None) -> bool:
         """Draft as the policy says this round? Always for the first MIN_ROUNDS (unless the prior is trusted);
-        then while the drafted rate is at least the plain step's."""
-        if self.accepted is None or self.rounds < self.min_rounds:
-            return True
-        return self.drafting_rate(cost, drafting_ms, budget) >= 1.0 / cost(1)
+        then while the drafted rate is at least the plain step's and, where the middle drafter has
+        `catch_up_ms` of context to read first (what it has not seen: the prompt, plain steps' tokens), while
+        the time drafting saves over the `remaining` tokens covers that read. The first rounds too skip a read
+        that even BEST_SAVING of the remaining time could not pay back (a long prompt and a short answer, or a
+        request that ran under load and is alone for its last tokens): they explore without the middle."""
+        if self.accepted is None or self.rounds < self.min_rounds:  # explore, where that could pay back the read
+            return not catch_up_ms or remaining is None or self.BEST_SAVING * remaining * cost(1) >= catch_up_ms
+        rate, plain = self.drafting_rate(cost, drafting_ms, budget), 1.0 / cost(1)
+        if rate < plain:
+            return False
+        return not catch_up_ms or remaining is None or remaining / plain - remaining / rate >= catch_up_ms
 
-    def plan(self, cost, drafting_ms: float, budget: int, probe: int) -> int:
+    def plan(self, cost, drafting_ms: float, budget: int, probe: int, reading: Reading | None = None) -> int:
         """This round's tree size: `budget` (drafted as the policy says) while that pays, `probe` (the n-gram
-        drafter alone) while those pay and for an exploring round, else 1 (a plain step). Sets `middle`."""
-        if self.pays(cost, drafting_ms, budget):
+        drafter alone) while those pay and for an exploring round, else 1 (a plain step). Sets `middle`.
+        `reading`: where the request stands, to price the middle drafter's read of what it has not seen."""
+        catch_up_ms = 0.0 if reading is None else max(0, reading.context - self.read) * reading.token_ms
+        if self.pays(cost, drafting_ms, budget, catch_up_ms, None if reading is None else reading.remaining):
             self.middle = True
+            if reading is not None:
+                self.read = reading.context  # the middle drafter reads up to this round's root
             return budget
         self.middle = False
         probing_pays = self.probe_accepted is not None and self.probe_accepted / cost(probe) >= 1.0 / cost(1)
