@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import (
     AR_METHOD,
+    DeepeningCalibration,
     Generation,
     check_request,
     decode_plain,
@@ -80,6 +81,7 @@ class Coordinator:
         self._started = False
         self._load_budget: LoadBudget | None = None
         self._drafting = DraftingMeans()  # per method: what a drafted round costs and gets
+        self._deepening = DeepeningCalibration()  # how far the middle's confidence past the depth holds
         self._cancelled_early: dict[str, None] = {}  # ordered: the oldest are dropped first
         self.ngram_host = None
         self.middle_host = None
@@ -405,7 +407,7 @@ class Coordinator:
                             on_tokens=progress)
 
     def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed, sampling, progress) -> Generation:
-        cfg = round_config(self.cfg, policy, lambda: self.timings)
+        cfg = round_config(self.cfg, policy, lambda: self.timings, self._deepening)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats)
@@ -457,6 +459,7 @@ class Coordinator:
                 out = speculate(first, cfg, policy, ngram, middle, drafters, verify, timer, stats, context,
                                 max_new, eos, on_tokens=progress, draft=draft,
                                 budget=round_budget if self.res.adapt_budget else None)
+                self._deepening.observe(stats)
         finally:
             for d in drafters:
                 d.release()

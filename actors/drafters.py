@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import forward_ms
-from treegraft_dist.decoding.engine import Drafting, draft_layer, draft_layers
+from treegraft_dist.decoding.engine import Drafting, deepening, draft_layer, draft_layers
 from treegraft_dist.decoding.neural import NeuralDrafter
 from treegraft_dist.decoding.ngram import HistoryIndex, NGramDrafter, PrefillCache
 from treegraft_dist.decoding.schedule import SchedulePolicy
@@ -265,7 +265,8 @@ class RoundDrafter:
                 with self.timer.phase("middle"):
                     draft_layer(state, self.middle, r.cfg.top_k, True)
                 wanted = (self._decide_here(state, budgets) if self.decide_here
-                          else "ngram" if state.layer < r.cfg.depth else None)
+                          else "ngram" if state.layer < r.cfg.depth
+                          else "middle" if self._live_middle() is not None and deepening(state, r.cfg) else None)
         return state.tree, state.calls
 
     def _live_middle(self) -> FallbackDrafter | None:

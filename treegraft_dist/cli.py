@@ -75,6 +75,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-chain", type=int, default=d.long_chain,
                    help="tokens the root's best n-gram match may copy past the layers' depth (default %(default)s; "
                         "0 = the published settings)")
+    p.add_argument("--deepen", type=int, default=d.deepen,
+                   help="middle layers a round may draft past --depth while the middle drafter is sure enough that "
+                        "one more layer pays for its call (default %(default)s; 0 = the published settings)")
 
 
 def tree_config(args) -> TreeConfig:
@@ -83,8 +86,10 @@ def tree_config(args) -> TreeConfig:
         raise UsageError(f"--budget must be at least 1 (the root), got {budget}")
     if args.long_chain < 0:
         raise UsageError(f"--long-chain must be >= 0, got {args.long_chain}")
+    if args.deepen < 0:
+        raise UsageError(f"--deepen must be >= 0, got {args.deepen}")
     return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=budget,
-                      long_chain=args.long_chain)
+                      long_chain=args.long_chain, deepen=args.deepen)
 
 
 def resolve_pair(target: str, middle: str | None, cache_dir: str | None) -> tuple[str, object, str | None, object]:

@@ -158,12 +158,12 @@ class TestLlamaTP2:
         dead, got = kill_mid_request(engine, "middle", p, 150, "all-mid")
         assert got.tokens == hf_greedy(pair.target, p, 150) == pair.decoder.generate(p, 150, "all-mid").tokens
         calls = got.stats.middle_calls
-        assert calls[0] == 5 and calls[-1] == 0, calls  # the middle drafted before the kill, n-gram after
+        assert calls[0] >= 5 and calls[-1] == 0, calls  # the middle drafted before the kill, n-gram after
         restarted = engine.actors()["middle"]
         assert restarted._actor_id != dead._actor_id
         later = engine.generate(prompts(5)[0], 20, "all-mid")
         assert later.tokens == hf_greedy(pair.target, prompts(5)[0], 20)
-        assert all(c == 5 for c in later.stats.middle_calls)  # the restarted middle drafts again
+        assert all(c >= 5 for c in later.stats.middle_calls)  # the restarted middle drafts again
 
     def test_drafters_killed_between_requests_are_back_for_the_next(self, engine, pairs):
         """No request in flight sees these deaths; the next request finds them and drafts on new actors."""
@@ -175,7 +175,7 @@ class TestLlamaTP2:
         q = prompts(11)[0]
         later = engine.generate(q, 20, "all-mid")
         assert later.tokens == hf_greedy(pair.target, q, 20)
-        assert all(c == 5 for c in later.stats.middle_calls)  # a live middle drafter from the first round
+        assert all(c >= 5 for c in later.stats.middle_calls)  # a live middle drafter from the first round
         now = engine.actors()
         assert now["middle"]._actor_id != dead["middle"]._actor_id
         assert now["ngram"]._actor_id != dead["ngram"]._actor_id

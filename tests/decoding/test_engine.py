@@ -15,7 +15,7 @@ from treegraft_dist.decoding.neural import NeuralDrafter
 from treegraft_dist.decoding.ngram import NGramDrafter
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import ReplaySchedule, fixed_schedule
-from treegraft_dist.decoding.signals import NUM_SIGNALS
+from treegraft_dist.decoding.signals import NUM_SIGNALS, Timings
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.verify import TargetVerifier
 from treegraft_dist.models import hf
@@ -113,7 +113,7 @@ def test_statistics_are_consistent():
     assert s.rounds == len(s.accepted) == len(s.tree_sizes) == len(s.middle_calls)
     # The first token comes from the prefill; every round adds its accepted tokens and a bonus token.
     assert 1 + sum(s.accepted) >= 50 > sum(s.accepted[:-1]) + 1
-    assert all(c == 2 for c in s.middle_calls)
+    assert all(c >= 2 for c in s.middle_calls)  # 01001's two, and any deepening layer after its last
     assert all(1 <= t <= 64 for t in s.tree_sizes)
     assert s.wall_s >= sum(v for k, v in s.seconds.items() if k != "other") - 1e-6
     assert s.seconds["middle"] > 0 and s.seconds["ngram"] > 0 and s.seconds["verify"] > 0
@@ -127,7 +127,7 @@ def test_callable_policy_gets_17_signals_and_call_budget_holds():
         seen.append((layer, signals))
         return True
 
-    cfg = TreeConfig(call_budget=2)
+    cfg = TreeConfig(call_budget=2, deepen=0)  # the budget holds within the depth layers
     prompt = [9, 8, 7, 6, 5] * 4
     g = Decoder(target, mid, cfg).generate(prompt, 30, policy)
     assert g.tokens == hf_greedy(target, prompt, 30)
@@ -266,3 +266,59 @@ def test_plain_step_rounds_tell_the_drafters_once_and_stay_exact(method):
         assert len(accepts) == 2 * (want + behind)
         # ... and every token exactly once: the first, then every round's
         assert sum(accepts[::2]) == 1 + sum(stats.accepted)
+
+
+@pytest.mark.parametrize("method", ["11111", "01001", "11110"])
+def test_deepening_follows_a_sure_middle_past_the_depth_and_stays_exact(method):
+    # The middle drafter is the target itself, and its call priced cheap: rounds that end on a middle layer
+    # go on drafting while it is sure, so a round accepts more than depth + 1 tokens. A schedule ending on an
+    # n-gram layer (11110) never deepens.
+    model = tiny_model("llama", init=0.6)
+    target, mid = CausalLM(model), CausalLM(perturbed_copy(model, 0.0, 0))
+    prompt = list(range(10, 30))
+    ref = hf_greedy(target, prompt, 60)
+    deep = Decoder(target, mid, TreeConfig(deepen=10, deepen_cost=0.05)).generate(prompt, 60, method)
+    flat = Decoder(target, mid, TreeConfig(deepen=0)).generate(prompt, 60, method)
+    assert deep.tokens == flat.tokens == ref
+    calls = method.count("1")
+    assert max(flat.stats.middle_calls) <= calls
+    if method.endswith("1"):
+        assert max(deep.stats.accepted) > 6 and max(deep.stats.middle_calls) > calls
+        assert max(deep.stats.middle_calls) <= calls + 10
+        assert deep.stats.rounds < flat.stats.rounds
+    else:
+        assert deep.stats.middle_calls == flat.stats.middle_calls
+
+
+def test_deepening_stops_where_a_middle_call_costs_more_than_it_adds():
+    target, mid = pair("llama", "random")  # a drafter that is rarely right
+    prompt = prompts(7)[0]
+    got = Decoder(target, mid, TreeConfig(deepen=10, deepen_cost=2.0)).generate(prompt, 30, "all-mid")
+    assert got.tokens == hf_greedy(target, prompt, 30)
+    assert max(got.stats.middle_calls) == 5
+
+
+def test_deepening_cost_comes_from_the_measured_timings():
+    target, mid = pair("qwen3", "close")
+    dec = Decoder(target, mid, TreeConfig(deepen=3), timings=Timings(100.0, 25.0))
+    from treegraft_dist.decoding.engine import round_config
+    assert round_config(dec.cfg, dec.resolve_policy("all-mid"), lambda: dec.timings).deepen_cost == 0.25
+    # A schedule that never calls the middle drafter has nothing to deepen with, and needs no timings.
+    assert round_config(dec.cfg, dec.resolve_policy("all-small"), lambda: 1 / 0).deepen_cost is None
+    assert TreeConfig(deepen=3).max_tree_depth == TreeConfig(deepen=0).max_tree_depth + 3
+
+
+def test_deepening_calibrates_the_middle_drafters_confidence_from_what_the_target_accepted():
+    # A drafter sure of paths the target never takes (another peaky model): its deepening nodes are verified
+    # and rejected, so the calibration falls and later requests price a middle call the more: they deepen less.
+    target = CausalLM(tiny_model("llama", init=0.6))
+    mid = CausalLM(tiny_model("llama", seed=5, init=0.6))
+    dec = Decoder(target, mid, TreeConfig(deepen=10), timings=Timings(100.0, 1.0))
+    assert dec.deepening.ratio == 1.0
+    prompt = list(range(10, 34))
+    runs = [dec.generate(prompt, 30, "all-mid") for _ in range(4)]
+    assert all(g.tokens == hf_greedy(target, prompt, 30) for g in runs[:1]) and runs[-1].tokens == runs[0].tokens
+    first, last = runs[0].stats, runs[-1].stats
+    assert first.deep_expected > 1 and first.deep_accepted == 0 and max(first.middle_calls) > 5
+    assert dec.deepening.ratio < 0.2
+    assert sum(last.middle_calls) < sum(first.middle_calls)

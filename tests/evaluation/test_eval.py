@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 
+from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.cli import main
 from treegraft_dist.evaluation.benchmarks import BenchmarkError, builtin, load_questions
 from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation
@@ -272,12 +273,16 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
                      prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "o", budget=16)
     ev = Evaluation(target, middle, cfg)
     assert ev._decoder("all-small", 16).cfg.long_chain > 0
-    assert ev._decoder("all-small@published", 16).cfg.long_chain == 0
+    published = ev._decoder("all-small@published", 16).cfg
+    assert published.long_chain == 0 and published.deepen == 0
+    shallow = ev._decoder("all-mid@shallow", 16).cfg
+    assert shallow.long_chain > 0 and shallow.deepen == 0 and TreeConfig(deepen=10).deepen == 10
     summary = ev.run()
     assert summary.mismatches == []
     assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}
+    EvalConfig(methods=["treegraft@published", "treegraft@shallow", "all-mid@shallow"])  # all known
     with pytest.raises(ValueError, match="unknown method"):
-        EvalConfig(methods=["treegraft@published"])
+        EvalConfig(methods=["treegraft@shallow@published"])
 
 
 def test_sized_methods_size_every_round_and_stay_lossless(pair, tmp_path):

@@ -221,3 +221,14 @@ def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path)
     assert form is not None and form.kind == 2 and form.group == 32
     assert form.nbytes < dequantized.numel() * 4 / 3
     assert compact.load_groups(tmp_path / "elsewhere") == {}
+
+
+@pytest.mark.parametrize("one, tree, wins", [((1.0, 2.0), (1.10, 1.0), True),   # faster at 1 row, 10% slower at 16
+                                              ((1.0, 2.0), (1.30, 1.0), False),  # 30% slower at 16 rows
+                                              ((2.0, 2.0), (0.5, 1.0), False)])  # no faster at 1 row
+def test_the_probe_takes_compact_where_a_step_is_faster_and_a_tree_not_much_slower(monkeypatch, one, tree, wins):
+    if compact._extension()[0] is None:
+        pytest.skip(compact._extension()[1])
+    ms = {(1, "compact"): one[0], (1, "dense"): one[1], (16, "compact"): tree[0], (16, "dense"): tree[1]}
+    monkeypatch.setattr(compact, "best_ms", lambda fns, repeats: {k: ms[k] for k in fns})
+    assert compact.probe()[0] is wins

@@ -165,7 +165,7 @@ class AlwaysCall:
 def test_budgeted_policies_get_b0_middle_calls_a_round(pair, budgeted, timings, cap):
     target, middle = pair
     prompt = prompt_of(2)
-    gen = Decoder(target, middle, TreeConfig(budget=16), timings=Timings(*timings)).generate(
+    gen = Decoder(target, middle, TreeConfig(budget=16, deepen=0), timings=Timings(*timings)).generate(
         prompt, 12, AlwaysCall(budgeted))
     assert gen.tokens == hf_greedy(target, prompt, 12)
     assert set(gen.stats.middle_calls) == {cap}

@@ -452,7 +452,7 @@ class Recording:
 @pytest.mark.parametrize("budget", [None, 2])
 def test_learned_scheduler_in_the_engine_is_lossless_and_respects_the_call_budget(budget):
     target, mid = tiny_pair("llama", "close")
-    dec = Decoder(target, mid, TreeConfig(call_budget=budget), timings=Timings(12.0, 3.0))
+    dec = Decoder(target, mid, TreeConfig(call_budget=budget, deepen=0), timings=Timings(12.0, 3.0))
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(16)], [5, 9, 2, 6, 5, 3] * 4]
     for policy, expect_calls in ((always_call(), 5 if budget is None else budget), (shallow_frontier(), None)):
@@ -495,7 +495,7 @@ def test_the_engine_caps_calls_at_the_fitted_cap_at_the_fitted_budget_not_at_its
     scheduler = always_call()
     scheduler.info = SchedulerInfo(PAIR, {"budget": 16, "call_cap": 3})
     for budget, cap in ((16, 3), (32, 1)):
-        dec = Decoder(target, mid, TreeConfig(budget=budget), timings=Timings(12.0, 8.0))
+        dec = Decoder(target, mid, TreeConfig(budget=budget, deepen=0), timings=Timings(12.0, 8.0))
         got = dec.generate(prompt, 20, scheduler)
         assert got.tokens == hf_greedy(target, prompt, 20)
         assert set(got.stats.middle_calls) == {cap}, budget

@@ -11,8 +11,10 @@ class TreeConfig:
     expanded candidate pool; budget = nodes verified per round (root included); max_n = longest n-gram
     matched; chain = extra tokens the best n-gram match adds below its child; long_chain = tokens the
     root's best match may add at the first layer past the depth the layers reach (0: the published
-    settings; see ngram.py); call_budget = most middle calls per round (None: no limit beyond the
-    schedule)."""
+    settings; see ngram.py); call_budget = most middle calls per round within its `depth` layers (None: no
+    limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle drafter is sure enough
+    that one more layer pays for its call (engine.deepening; 0: the published settings); deepen_cost = a
+    middle call's time over a target pass's (set from the engine's measured timings, round_config)."""
 
     depth: int = 5
     top_k: int = 10
@@ -22,24 +24,29 @@ class TreeConfig:
     chain: int = 4
     long_chain: int = 12
     call_budget: int | None = None
+    deepen: int = 0
+    deepen_cost: float | None = None
 
     def __post_init__(self):
         for name in ("depth", "top_k", "budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("lookback", "chain", "long_chain"):
+        for name in ("lookback", "chain", "long_chain", "deepen"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.call_budget is not None and self.call_budget < 0:
             raise ValueError(f"call_budget must be >= 0 or None, got {self.call_budget}")
+        if self.deepen_cost is not None and not self.deepen_cost > 0:
+            raise ValueError(f"deepen_cost must be > 0 or None, got {self.deepen_cost}")
 
     @property
     def max_tree_depth(self) -> int:
         """Deepest node a round can create: each 1-based layer l adds one level plus an n-gram chain of
-        at most min(chain, depth - l) further tokens (at least long_chain at the first layer)."""
+        at most min(chain, depth - l) further tokens (at least long_chain at the first layer); each deepening
+        layer adds one level."""
         chains = [min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1)]
         chains[0] = max(chains[0], self.long_chain)
-        return sum(1 + c for c in chains)
+        return sum(1 + c for c in chains) + self.deepen
 
     def to_dict(self) -> dict:
         return asdict(self)

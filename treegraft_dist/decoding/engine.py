@@ -76,6 +76,56 @@ def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, l
             or (pattern is not None and "1" not in pattern[layer:]))
 
 
+# Pseudo-tokens at face value in the deepening calibration: a few verified deepening nodes already move it.
+DEEPEN_PRIOR = 2.0
+DEEPEN_MIN_CALIBRATION = 0.05
+
+
+class DeepeningCalibration:
+    """How far the middle drafter's confidence past the depth holds, across an engine's requests: what the
+    verified nodes of deepening layers were expected to give (their drafter path probabilities) against what the
+    target accepted of them. A drafter's probabilities run high (it is sure of paths the target leaves), so
+    deepening weighs its gain at this ratio (round_config prices a middle call the more, the lower it is)."""
+
+    def __init__(self):
+        self.expected = 0.0
+        self.accepted = 0.0
+
+    def observe(self, stats: RequestStats) -> None:
+        self.expected += stats.deep_expected
+        self.accepted += stats.deep_accepted
+
+    @property
+    def ratio(self) -> float:
+        return max(DEEPEN_MIN_CALIBRATION, (self.accepted + DEEPEN_PRIOR) / (self.expected + DEEPEN_PRIOR))
+
+
+def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
+    """Whether a round that has drafted its cfg.depth layers drafts one more middle layer.
+
+    Only after a middle layer (whose frontier carries the middle drafter's own path log-probs), at most
+    cfg.deepen times, and only where one more layer is expected to pay for its call. What it adds: each
+    frontier node's best child, at the node's path probability times the last layer's confidence (the
+    frontier's mass over its parents'), takes the place of the weakest node the budget keeps, so it adds the
+    difference where positive. Against what the call costs at this round's rate (its expected accepted
+    tokens, 1 + the kept nodes' path probabilities, over its time so far, a target pass plus its calls):
+        gain / cost >= accepted / time,  in target passes: gain * (1 + calls * c) >= c * accepted.
+    This is how a round grows as deep as a confident chain reaches (as assisted generation's chain runs while
+    its drafter is sure), where a flat number of layers stops every round at `depth`."""
+    c = cfg.deepen_cost
+    if (c is None or state.layer < cfg.depth or state.layer >= cfg.depth + cfg.deepen or not state.calls
+            or not state.calls[-1] or len(state.frontier) == 0):
+        return False
+    tree, frontier = state.tree, state.frontier
+    reach = np.exp(tree.scores[frontier])  # [<= K]
+    confidence = min(1.0, float(reach.sum() / np.exp(tree.scores[np.unique(tree.parents[frontier])]).sum()))
+    kept = np.exp(np.sort(tree.scores[1 : tree.size])[::-1][: cfg.budget - 1])  # [<= budget - 1] descending
+    weakest = float(kept[-1]) if 0 < len(kept) == cfg.budget - 1 else 0.0  # what a new node displaces
+    gain = float(np.maximum(reach * confidence - weakest, 0.0).sum())
+    accepted = 1.0 + float(kept.sum())
+    return gain * (1.0 + sum(state.calls) * c) >= c * accepted
+
+
 @dataclass
 class Drafting:
     """One round's drafting so far: the tree, its frontier, and which of the layers drafted so far called
@@ -125,19 +175,22 @@ def draft_layers(
     whether the middle drafter is there at all. This is how the distributed engine drafts every n-gram layer
     between two middle calls in one call to the n-gram actor."""
     has_middle = middle is not None if has_middle is None else has_middle
-    while state.layer < cfg.depth:
+    while state.layer < cfg.depth or (has_middle and deepening(state, cfg)):
         layer, calls = state.layer, state.calls
         with timer.phase("scheduler"):
-            if (budgets and only_ngram_left(cfg, policy, has_middle, layer, calls)
+            if layer >= cfg.depth:  # a deepening layer: the middle drafter's, past the schedule
+                call = True
+            elif (budgets and only_ngram_left(cfg, policy, has_middle, layer, calls)
                     and all(pruning_settled(state.tree, state.frontier, b) for b in budgets)):
                 calls.extend([False] * (cfg.depth - layer))
                 break
-            signals = None
-            if policy.needs_signals:
-                signals = compute_signals(state.tree, state.frontier, layer, calls, cfg.depth, cfg.lookback,
-                                          cfg.top_k, context)
-            call = (has_middle and policy.decide(signals, layer)
-                    and (cfg.call_budget is None or sum(calls) < cfg.call_budget))
+            else:
+                signals = None
+                if policy.needs_signals:
+                    signals = compute_signals(state.tree, state.frontier, layer, calls, cfg.depth, cfg.lookback,
+                                              cfg.top_k, context)
+                call = (has_middle and policy.decide(signals, layer)
+                        and (cfg.call_budget is None or sum(calls) < cfg.call_budget))
         drafter = middle if call else ngram
         if drafter is None:
             return "middle" if call else "ngram"
@@ -179,6 +232,7 @@ class Decoder:
         self.sizer = sizer
         self.alone = LoadBudget(tree.budget, verify_ms) if verify_ms else None
         self.drafting = DraftingMeans()
+        self.deepening = DeepeningCalibration()
 
     # -- public API -----------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
@@ -211,7 +265,7 @@ class Decoder:
                             max_new, eos, device=self.target.device)
 
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
-        cfg = round_config(self.cfg, policy, lambda: self.timings)
+        cfg = round_config(self.cfg, policy, lambda: self.timings, self.deepening)
         stats = RequestStats(policy.name, prompt_tokens=len(prompt))
         context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
         timer = PhaseTimer(stats, self.target.device)
@@ -239,6 +293,7 @@ class Decoder:
             out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
                             max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets, draft=draft,
                             budget=budget)
+        self.deepening.observe(stats)
         return finish(out, stats, timer, max_new, eos)
 
 
@@ -297,6 +352,8 @@ def speculate(
             verdict = verify(pruned)
         if sizer is not None:
             sizer.observe(tree, kept, verdict.accepted)
+        if cfg.deepen and len(kept) > 1:
+            note_deepening(stats, tree, kept, verdict.accepted, cfg.depth)
         if plain:  # told at the next round that drafts (no actor message, no work, per plain step)
             unseen.extend(verdict.tokens)
         else:
@@ -322,6 +379,15 @@ def choose_nodes(tree: DraftTree, keep: int, sizer: TreeSizer | None, started: f
     pruned, kept, _ = sizer.choose(tree)
     sizer.drafting_ms += 0.2 * (1e3 * (time.perf_counter() - started) - sizer.drafting_ms)
     return pruned, kept
+
+
+def note_deepening(stats: RequestStats, tree: DraftTree, kept: np.ndarray, accepted: list[int], depth: int) -> None:
+    """Add a round's verified deepening nodes to `stats`: `kept` ([n] ids in `tree` of the verified nodes, root
+    first), `accepted` (indices into `kept` the target accepted)."""
+    deep = tree.layers[kept] > depth  # [n]
+    if deep.any():
+        stats.deep_expected += float(np.exp(tree.scores[kept[deep]]).sum())
+        stats.deep_accepted += int(deep[list(accepted)].sum())
 
 
 def record_round(stats: RequestStats, tree: DraftTree, verified: int, verdict: Verdict, accepted: int,
@@ -378,10 +444,16 @@ def default_call_budget(timings: Timings) -> int:
     return max(0, int(timings.t_tgt_ms // timings.t_mid_ms))
 
 
-def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings]) -> TreeConfig:
+def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings],
+                 deepening: DeepeningCalibration | None = None) -> TreeConfig:
     """The tree settings a request runs with: a policy marked `budgeted` (the learned scheduler, the value
     planner) gets a per-round call budget unless the config sets one: the cap it was fitted with at this
-    budget (`policy.call_cap_at`), else b0 = floor(T_tgt / T_mid) from this engine's timings."""
+    budget (`policy.call_cap_at`), else b0 = floor(T_tgt / T_mid) from this engine's timings. A policy that
+    may call the middle drafter deepens its rounds (cfg.deepen) at the cost of a middle call against a target
+    pass measured here, over how far the middle drafter's confidence past the depth has held (`deepening`)."""
+    if cfg.deepen and cfg.deepen_cost is None and may_call_middle(policy):
+        t = timings()
+        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / (deepening.ratio if deepening else 1.0))
     if cfg.call_budget is not None or not getattr(policy, "budgeted", False):
         return cfg
     fitted = policy.call_cap_at(cfg.budget) if hasattr(policy, "call_cap_at") else None

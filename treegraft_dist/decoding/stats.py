@@ -15,7 +15,8 @@ PHASES = ("prefill", "ngram", "middle", "scheduler", "verify", "other")
 class RequestStats:
     """rounds = target verification passes; accepted = tokens gained per round (bonus included);
     tree_sizes = nodes verified per round (root included); middle_calls = middle calls per round;
-    seconds = wall time per phase; wall_s = the whole request."""
+    seconds = wall time per phase; wall_s = the whole request; deep_expected, deep_accepted = the verified nodes of
+    deepening layers (engine.deepening): their drafter path probabilities summed, and how many the target accepted."""
 
     method: str
     prompt_tokens: int = 0
@@ -27,6 +28,8 @@ class RequestStats:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     wall_s: float = 0.0
     accepted_at_budget: dict[int, list[int]] = field(default_factory=dict)
+    deep_expected: float = 0.0
+    deep_accepted: int = 0
 
     @property
     def mean_accepted(self) -> float:

@@ -50,6 +50,7 @@ from .methods import (
     ORACLE,
     PACED,
     PUBLISHED,
+    SHALLOW,
     SIZED,
     TREEGRAFT,
     VALUE_PLANNER,
@@ -94,7 +95,8 @@ class EvalConfig:
         for m in self.methods:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
-                                 f"as 01001 (a fixed one with {PUBLISHED}: the published tree settings; with "
+                                 f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; {SHALLOW}: no "
+                                 f"deepening layers; with "
                                  f"{SIZED}: trees sized per round)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
@@ -196,7 +198,8 @@ class Evaluation:
         return self._verify_ms
 
     def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
-        tree = TreeConfig(budget=budget, **({"long_chain": 0} if PUBLISHED in method else {}))
+        tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0} if PUBLISHED in method
+                                            else {"deepen": 0} if SHALLOW in method else {}))
         sizer = None
         if is_sized(method):
             costs = self.verify_ms()
@@ -209,7 +212,7 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and (PUBLISHED in method or SIZED in method or PACED in method):
+        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, SIZED, PACED)):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if method == ORACLE:

@@ -9,7 +9,8 @@
                           of every round in hindsight (enumerated before its timed decode);
   hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
 
-Suffixes: a fixed schedule with @published runs the published tree settings; a fixed schedule or treegraft
+Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
+n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen); a fixed schedule or treegraft
 with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
 only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round.
 """
@@ -36,6 +37,10 @@ ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 # n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
 PUBLISHED = "@published"
 
+# A fixed schedule or treegraft with this suffix never drafts past its depth (no deepening layers), side by side
+# with the default, which deepens while the middle drafter is sure (engine.deepening).
+SHALLOW = "@shallow"
+
 
 # A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
 # sizes every round's tree from calibrated acceptance and this device's verification costs (sizing.py) instead
@@ -52,12 +57,13 @@ def artifact_base(m: str) -> str | None:
     else None."""
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + PACED) else None
+    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + PACED, TREEGRAFT + SHALLOW, TREEGRAFT + PUBLISHED) else None
 
 
 def fixed_base(m: str) -> str | None:
-    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @sized), else None."""
-    base = m.removesuffix(SIZED).removesuffix(PUBLISHED)
+    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published or @shallow, then
+    @sized), else None."""
+    base = m.removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 

@@ -15,8 +15,8 @@ one-token pass give the same linear outputs bit for bit.
 
 A form is used only where it reproduces the fp32 tensor exactly (checked when the layer is converted);
 any other layer keeps the oneDNN packed or stock path (kernels.py). `choice()` decides per process:
-compact where the processor has AVX2/FMA/F16C, the extension builds, and a short probe does not find
-it slower than the packed product at one row and at a 16-row tree. $TREEGRAFT_LINEAR=compact forces it
+compact where the processor has AVX2/FMA/F16C, the extension builds, and a short probe finds it faster than
+the packed product at one row and at most TREE_SLACK slower at a 16-row tree. $TREEGRAFT_LINEAR=compact forces it
 where it can run, =packed or =stock turns it off.
 """
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .kernels import _PROBE_REPEATS, _PROBE_ROWS, LINEAR_ENV
+from .kernels import _PROBE_ROWS, LINEAR_ENV
 from .precision import best_ms, cpu_flags
 
 DTYPE = torch.float32  # the precision compact layers compute in (and the only one they replace)
@@ -42,7 +42,17 @@ _SOURCE = Path(__file__).parent / "csrc" / "compact_linear.cpp"
 _NEEDS_FLAGS = ("avx2", "fma", "f16c")
 _BF16, _FP16, _GROUPS = 0, 1, 2
 _EMPTY = torch.empty(0)
-_PROBE_SHAPE = (3072, 1536)
+# A real model's weights stream from memory: the probe's fp32 matrix (52 MB, a 1.5B model's MLP projection) is
+# larger than a last-level cache slice, where a smaller one (18 MB) stayed cached and hid what compact saves.
+_PROBE_SHAPE = (8960, 1536)
+# Best of 15: at 16 rows the two paths can be within 15% of each other, and best of 5 flipped between runs.
+_PROBE_REPEATS = 15
+# How much slower than the packed product the probe's 16-row product may be, where its one-row product is
+# faster: a decode is mostly one-row and small-tree passes, and the probe's bf16 form (2 bytes a weight) is
+# its least compact one. On a 2-vCPU AVX2 EPYC the probe's 16 rows came out 0.85-1.03x of packed from run to
+# run, while the embedded target (int8 groups) verified faster compact at every size measured (1 node: 98
+# against 296 ms; 12 nodes: 364 against 441 ms): with a strict test, runs there flipped to the slower path.
+TREE_SLACK = 1.15
 # Costs measured with one revision of the kernel do not hold for another: cost profiles name it (costs.model_key).
 KERNEL_VERSION = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
 
@@ -181,7 +191,8 @@ def exact_form(weight: torch.Tensor, groups: dict[str, Groups] | None = None) ->
 
 
 def probe() -> tuple[bool, str]:
-    """(compact no slower than the packed fp32 product at both 1 and 16 rows, what was measured)."""
+    """(compact faster than the packed fp32 product at 1 row and at most TREE_SLACK slower at 16, what was
+    measured)."""
     ext, _ = _extension()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*_PROBE_SHAPE, generator=g).to(torch.bfloat16).float()
@@ -194,7 +205,8 @@ def probe() -> tuple[bool, str]:
         fns[r, "dense"] = lambda x=x: dense(x)
         fns[r, "compact"] = lambda x=x: ext.linear(x, *form.args(), None)
     ms = best_ms(fns, _PROBE_REPEATS)
-    wins = all(ms[r, "compact"] <= ms[r, "dense"] for r in _PROBE_ROWS)
+    one, tree = min(_PROBE_ROWS), max(_PROBE_ROWS)
+    wins = ms[one, "compact"] < ms[one, "dense"] and ms[tree, "compact"] <= TREE_SLACK * ms[tree, "dense"]
     text = ", ".join(f"{r} rows: fp32 {ms[r, 'dense']:.2f} ms, compact {ms[r, 'compact']:.2f} ms" for r in _PROBE_ROWS)
     return wins, f"probe {text}"
 
