@@ -12,9 +12,10 @@ class TreeConfig:
     matched; chain = extra tokens the best n-gram match adds below its child; long_chain = tokens the
     root's best match may add at the first layer past the depth the layers reach (0: the published
     settings; see ngram.py); call_budget = most middle calls per round within its `depth` layers (None: no
-    limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle drafter is sure enough
-    that one more layer pays for its call (engine.deepening; 0: the published settings); deepen_cost = a
-    middle call's time over a target pass's (set from the engine's measured timings, round_config)."""
+    limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle
+    drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
+    settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
+    timings, round_config)."""
 
     depth: int = 5
     top_k: int = 10

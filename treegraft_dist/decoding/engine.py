@@ -445,15 +445,16 @@ def default_call_budget(timings: Timings) -> int:
 
 
 def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings],
-                 deepening: DeepeningCalibration | None = None) -> TreeConfig:
+                 calibration: DeepeningCalibration | None = None) -> TreeConfig:
     """The tree settings a request runs with: a policy marked `budgeted` (the learned scheduler, the value
     planner) gets a per-round call budget unless the config sets one: the cap it was fitted with at this
     budget (`policy.call_cap_at`), else b0 = floor(T_tgt / T_mid) from this engine's timings. A policy that
     may call the middle drafter deepens its rounds (cfg.deepen) at the cost of a middle call against a target
-    pass measured here, over how far the middle drafter's confidence past the depth has held (`deepening`)."""
+    pass measured here, over how far the middle drafter's confidence past the depth has held (`calibration`)."""
     if cfg.deepen and cfg.deepen_cost is None and may_call_middle(policy):
         t = timings()
-        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / (deepening.ratio if deepening else 1.0))
+        ratio = calibration.ratio if calibration else 1.0
+        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / ratio)
     if cfg.call_budget is not None or not getattr(policy, "budgeted", False):
         return cfg
     fitted = policy.call_cap_at(cfg.budget) if hasattr(policy, "call_cap_at") else None

@@ -95,9 +95,8 @@ class EvalConfig:
         for m in self.methods:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
-                                 f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; {SHALLOW}: no "
-                                 f"deepening layers; with "
-                                 f"{SIZED}: trees sized per round)")
+                                 f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
+                                 f"{SHALLOW}: no deepening layers; with {SIZED}: trees sized per round)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:

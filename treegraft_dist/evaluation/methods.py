@@ -10,8 +10,8 @@
   hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
 
 Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
-n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen); a fixed schedule or treegraft
-with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
+n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen); a fixed
+schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
 only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round.
 """
 
@@ -37,8 +37,8 @@ ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 # n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
 PUBLISHED = "@published"
 
-# A fixed schedule or treegraft with this suffix never drafts past its depth (no deepening layers), side by side
-# with the default, which deepens while the middle drafter is sure (engine.deepening).
+# A fixed schedule or treegraft with this suffix never drafts past its depth (deepen = 0, as TreeConfig's default
+# is now: deepening measured no faster on an AVX2 EPYC in fp32 and is off by default; see engine.deepening).
 SHALLOW = "@shallow"
 
 
@@ -57,7 +57,7 @@ def artifact_base(m: str) -> str | None:
     else None."""
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in (TREEGRAFT + SIZED, TREEGRAFT + PACED, TREEGRAFT + SHALLOW, TREEGRAFT + PUBLISHED) else None
+    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED)) else None
 
 
 def fixed_base(m: str) -> str | None:

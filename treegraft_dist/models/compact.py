@@ -16,8 +16,8 @@ one-token pass give the same linear outputs bit for bit.
 A form is used only where it reproduces the fp32 tensor exactly (checked when the layer is converted);
 any other layer keeps the oneDNN packed or stock path (kernels.py). `choice()` decides per process:
 compact where the processor has AVX2/FMA/F16C, the extension builds, and a short probe finds it faster than
-the packed product at one row and at most TREE_SLACK slower at a 16-row tree. $TREEGRAFT_LINEAR=compact forces it
-where it can run, =packed or =stock turns it off.
+the packed product at one row and at most TREE_SLACK slower at a 16-row tree. $TREEGRAFT_LINEAR=compact
+forces it where it can run, =packed or =stock turns it off.
 """
 
 from __future__ import annotations
