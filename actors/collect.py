@@ -99,7 +99,7 @@ def _load(cfg: dict):
 def _measure(cfg: dict, context: list[int]) -> dict:
     target, middle = _load(cfg)
     cache = Path(cfg["cache_dir"]) if cfg.get("cache_dir") else None
-    from treegraft_dist.models.prepare import cache_root
+    from treegraft_dist.models.paths import cache_root
 
     cost = device_costs(target.lm, target.source, middle.lm, middle.source, cache_root(cache), context,
                         TreeConfig(**cfg["tree"]))

@@ -127,7 +127,7 @@ class OpenAIServer:
                  cache_dir: str | None = None):
         from actors import DistributedEngine
         from actors.resources import for_device
-        from treegraft_dist.cli import resolve_pair
+        from treegraft_dist.models.loading import resolve_pair
 
         if max_requests < 1 or max_queued < 0 or max_tokens < 1 or not queue_timeout > 0 or draft_history < 0:
             raise ValueError("max_requests and max_tokens must be at least 1, max_queued and draft_history at least "
@@ -475,7 +475,7 @@ def fit_device_scheduler(pair, target_src: str, middle_src: str, device: str, dt
     from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
     from treegraft_dist.evaluation.evaluate import COST_CONTEXT_BENCHMARK
     from treegraft_dist.models.loading import load_model
-    from treegraft_dist.models.prepare import cache_root
+    from treegraft_dist.models.paths import cache_root
     from treegraft_dist.scheduling.device import resolve_scheduler
 
     if threads:

@@ -7,7 +7,7 @@ import sys
 import pytest
 from tiny import char_tokenizer, hf_greedy, perturbed_copy, save_tiny, tiny_model
 
-from treegraft_dist.cli import main
+from jobs.cli import main
 from treegraft_dist.models.hf import CausalLM
 
 
@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_error(pair_dirs, capsys, args, needle):
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "treegraft_dist.cli", "generate", "--target", str(tmp_path / "x"),
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "generate", "--target", str(tmp_path / "x"),
                            "--prompt", "a", "--method", "ar"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.startswith("treegraft: error:") and "Traceback" not in proc.stderr

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 
-from treegraft_dist.cli import main
+from jobs.cli import main
 from treegraft_dist.decoding.schedule import NUM_SCHEDULES
 from treegraft_dist.scheduling.collect import MANIFEST, ROUNDS_DIR, read_trajectories
 from treegraft_dist.scheduling.value import NUM_STATES

@@ -252,7 +252,7 @@ def test_cli_generate_and_eval_distributed(cluster, pairs, tmp_path, capsys):
 
     import pyarrow.parquet as pq
 
-    from treegraft_dist.cli import main
+    from jobs.cli import main
 
     p = pairs["qwen3"]
     text = "abcabcabc abc"

@@ -10,7 +10,7 @@ import torch
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 
 from treegraft_dist.decoding.config import TreeConfig
-from treegraft_dist.cli import main
+from jobs.cli import main
 from treegraft_dist.evaluation.benchmarks import BenchmarkError, builtin, load_questions
 from treegraft_dist.evaluation.evaluate import EvalConfig, Evaluation
 from treegraft_dist.models.hf import CausalLM

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from treegraft_dist.cli import main
+from jobs.cli import main
 from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.projection import LABEL, MEAN, METHODS, Profile, project, read_profiles, run
 from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET

@@ -71,11 +71,3 @@ def test_a_large_model_is_not_built_without_time_to_measure_it(tmp_path):
                             torch.bfloat16, sizes)
     assert roomy.room_to_build("70B proxy, 2 layers") and not roomy.skipped
 
-
-def test_the_step_breakdown_runs_and_compares_with_generate():
-    done = subprocess.run([sys.executable, "-m", "jobs.bench_step", "--device", "cpu", "--tiny", "--tokens", "6",
-                           "--repeats", "2"], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "TargetVerifier.step" in done.stdout and "transformers generate" in done.stdout
-    assert "10 ar steps by operator" in done.stdout

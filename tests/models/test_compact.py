@@ -10,11 +10,11 @@ from tiny import perturbed_copy, tiny_model
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import model_key
 from treegraft_dist.decoding.engine import Decoder
-from treegraft_dist.models import compact, kernels
+from treegraft_dist.models import compact, kernels, paths
 from treegraft_dist.models.compact import CompactLinear, Groups
 from treegraft_dist.models.hf import CausalLM
 
-pytestmark = pytest.mark.skipif(compact._extension()[0] is None, reason=str(compact._extension()[1]))
+pytestmark = pytest.mark.skipif(compact.extension()[0] is None, reason=str(compact.extension()[1]))
 
 
 def group_weight(n: int, k: int, group: int, seed: int, offset: bool = True) -> Groups:
@@ -26,7 +26,7 @@ def group_weight(n: int, k: int, group: int, seed: int, offset: bool = True) -> 
 
 
 def run(form, x, bias=None):
-    return compact._extension()[0].linear(x, *form.args(), bias)
+    return compact.extension()[0].linear(x, *form.args(), bias)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16", "groups32", "groups16"])
@@ -42,7 +42,7 @@ def test_the_kernel_multiplies_the_exact_fp32_weight(kind):
         w = form.decode()
         assert compact.exact_form(w, {compact.fingerprint(w[0]): groups}) is not None
     bias = torch.randn(n)
-    assert torch.equal(compact._extension()[0].decode(*form.args()), w)  # the kernel decodes to the same bits
+    assert torch.equal(compact.extension()[0].decode(*form.args()), w)  # the kernel decodes to the same bits
     for m in (1, 2, 3, 4, 5, 6, 7, 17, 130):  # 130 rows: two passes over the weight (96-row chunks)
         x = torch.randn(m, k)
         y = run(form, x, bias)
@@ -129,7 +129,7 @@ def test_a_drafting_head_over_some_ids_is_compact_too(fresh_choice):
     h = lm.hidden(lm.new_cache(), torch.arange(3, 13), torch.arange(10))
     full = lm.logits(h)
     draft.set_draft_vocabulary(lm, np.array([0, 4, 9, 50, 95]))
-    assert isinstance(lm._draft_head, CompactLinear)
+    assert isinstance(lm.draft_head, CompactLinear)
     assert torch.equal(lm.draft_logits(h), full[:, [0, 4, 9, 50, 95]])
 
 
@@ -177,7 +177,7 @@ def test_gguf_blocks_become_groups_that_reproduce_their_dequantized_values(kind,
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from treegraft_dist.models.prepare import _group_params
+    from treegraft_dist.models.prepare import group_params
 
     qtype = GGMLQuantizationType[kind]
     small = not kind.endswith("_K")  # blocks of 32 (rows of 64 here) or of 256 columns
@@ -186,14 +186,14 @@ def test_gguf_blocks_become_groups_that_reproduce_their_dequantized_values(kind,
     blocks = random_blocks(kind, 6 * per_row, seed=7)
     w = dequantize(blocks.reshape(6, -1), qtype)
     assert w.shape == (6, k)
-    group, scale, offset = _group_params(kind, blocks)
+    group, scale, offset = group_params(kind, blocks)
     scale = torch.from_numpy(scale.reshape(6, k // group))
     offset = torch.empty(0) if offset is None else torch.from_numpy(offset.reshape(6, k // group))
     full_scale = scale.repeat_interleave(group, 1)
     q = torch.round((torch.from_numpy(w) + (offset.repeat_interleave(group, 1) if offset.numel() else 0)) / full_scale)
     form = Groups(q.to(torch.int8), scale, offset, group).form()
     assert torch.equal(form.decode(), torch.from_numpy(w))
-    assert torch.equal(compact._extension()[0].decode(*form.args()), torch.from_numpy(w))
+    assert torch.equal(compact.extension()[0].decode(*form.args()), torch.from_numpy(w))
 
 
 def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path):
@@ -212,7 +212,7 @@ def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    write_weight_groups(tmp_path / "m.gguf", tmp_path / compact.GROUPS_FILE, progress=False)
+    write_weight_groups(tmp_path / "m.gguf", tmp_path / paths.GROUPS_FILE, progress=False)
     groups = compact.load_groups(tmp_path)
     assert len(groups) == 1
     dequantized = torch.from_numpy(gguf.quants.dequantize(quantize(w, gguf.GGMLQuantizationType.Q8_0),
@@ -227,8 +227,8 @@ def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path)
                                               ((1.0, 2.0), (1.30, 1.0), False),  # 30% slower at 16 rows
                                               ((2.0, 2.0), (0.5, 1.0), False)])  # no faster at 1 row
 def test_the_probe_takes_compact_where_a_step_is_faster_and_a_tree_not_much_slower(monkeypatch, one, tree, wins):
-    if compact._extension()[0] is None:
-        pytest.skip(compact._extension()[1])
+    if compact.extension()[0] is None:
+        pytest.skip(compact.extension()[1])
     ms = {(1, "compact"): one[0], (1, "dense"): one[1], (16, "compact"): tree[0], (16, "dense"): tree[1]}
     monkeypatch.setattr(compact, "best_ms", lambda fns, repeats: {k: ms[k] for k in fns})
     assert compact.probe()[0] is wins

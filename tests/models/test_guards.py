@@ -14,7 +14,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from actors.resources import Resources
 from actors.target import TargetWorker
-from treegraft_dist.cli import main
+from jobs.cli import main
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.models.loading import ModelError, load_model, pick_device, sliding_window_layers
 

@@ -141,7 +141,7 @@ def test_speculation_with_padded_products_reproduces_greedy_decoding_in_fp32():
 
 
 def test_row_padding_is_measured_on_the_weights_recorded_and_can_be_set(monkeypatch, tmp_path):
-    from treegraft_dist.models.prepare import CACHE_ENV
+    from treegraft_dist.models.paths import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     record = tmp_path / kernels.PAD_RECORD

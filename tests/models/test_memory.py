@@ -43,8 +43,8 @@ def test_own_memory_copies_foreign_views_keeps_ties_and_skips_what_it_is_told():
 @pytest.mark.skipif(kernels.unsupported(torch.float32) is not None, reason="no packed fp32 linear here")
 @pytest.mark.parametrize("path", ["packed", "compact"])
 def test_a_loaded_cpu_model_drops_its_checkpoint_mapping(tmp_path, fresh_choice, path):
-    if path == "compact" and compact._extension()[0] is None:
-        pytest.skip(str(compact._extension()[1]))
+    if path == "compact" and compact.extension()[0] is None:
+        pytest.skip(str(compact.extension()[1]))
     model = tiny_model("llama", seed=4)
     # bf16-representable weights: every linear has an exact compact form
     model = model.to(torch.bfloat16).float()

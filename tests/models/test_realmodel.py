@@ -56,7 +56,8 @@ def test_default_pair_in_bf16_with_the_scheduler_fitted_for_this_device(tmp_path
     from treegraft_dist.decoding.engine import Decoder
     from treegraft_dist.evaluation.lossless import MISMATCH, classify
     from treegraft_dist.models.loading import load_model
-    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, cache_root
+    from treegraft_dist.models.paths import cache_root
+    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
     from treegraft_dist.scheduling.device import PROFILE_KEY, resolve_scheduler
     from treegraft_dist.scheduling.value import ValuePlanner
 

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import VOCAB, hf_greedy, tiny_pair
 
-from jobs import bench_scheduler
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.decoding.scheduler import (
@@ -476,15 +475,6 @@ def test_value_planner_in_the_engine_is_lossless(fitted):
     got = dec.generate(prompt, 20, value.ValuePlanner(fitted[1]))
     assert got.tokens == hf_greedy(target, prompt, 20)
     assert got.stats.method == "value-planner"
-
-
-def test_scheduler_benchmark_runs_and_reports_positive_times(capsys):
-    results = bench_scheduler.main(["--calls", "20", "--seed", "1"])
-    assert set(results) == {"signals", "decide", "call", "planner"}
-    for row in results.values():
-        assert 0 < row["median_ms"] <= row["p90_ms"] < 1e3
-    out = capsys.readouterr().out
-    assert "(d) ValuePlanner.decide" in out and "ms target" in out
 
 
 def test_the_engine_caps_calls_at_the_fitted_cap_at_the_fitted_budget_not_at_its_own_timings(fitted):

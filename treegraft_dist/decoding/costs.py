@@ -202,7 +202,7 @@ def choose_budget(verify_ms: dict[int, float], accepted_at: dict[int, list[int]]
 
 # -- the cost model of a pair on a device -----------------------------------------------------------------------------------
 
-def _interp(table: dict[int, float], x: float) -> float:
+def interp(table: dict[int, float], x: float) -> float:
     """Piecewise-linear in x through the measured points, extended linearly past the last two."""
     xs = np.array(sorted(table), np.float64)
     ys = np.array([table[int(k)] for k in xs], np.float64)
@@ -223,10 +223,10 @@ class CostModel:
     verify_ms: dict[int, float]  # pruned tree size -> ms of one target verification
 
     def middle(self, tokens: int) -> float:
-        return 0.0 if tokens <= 0 else _interp(self.middle_ms, tokens)
+        return 0.0 if tokens <= 0 else interp(self.middle_ms, tokens)
 
     def verify(self, size: int) -> float:
-        return _interp(self.verify_ms, size)
+        return interp(self.verify_ms, size)
 
     def timings(self, budget: int) -> Timings:
         """T_tgt and T_mid as the engine measures them (one forward over a budget-sized block)."""

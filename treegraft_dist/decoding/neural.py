@@ -83,12 +83,12 @@ class NeuralDrafter:
         leaves = np.setdiff1d(pool[unseen[pool]], parents)  # [m] the unseen leaves that may be selected
         if len(parents) and len(leaves) <= ONE_FORWARD_MAX_LEAVES:
             # All of them with the parents: one forward instead of a second one for the selected leaves.
-            self._process(tree, np.union1d(parents, leaves))
+            self.process(tree, np.union1d(parents, leaves))
         else:
-            self._process(tree, parents)
+            self.process(tree, parents)
         scores = self._rescore(tree)
         selected = tree.reselect(frontier, self.lookback, self.top_k, ORIGIN_MIDDLE, scores)
-        self._process(tree, np.sort(selected[self.slot[selected] == NO_SLOT]))
+        self.process(tree, np.sort(selected[self.slot[selected] == NO_SLOT]))
         rows = self.row_of[selected]
         parents = np.repeat(selected, self.top_k)
         tokens = self.topk_tokens[rows].reshape(-1)
@@ -100,7 +100,7 @@ class NeuralDrafter:
         does it while the round's first n-gram steps run elsewhere); the next step only runs new nodes."""
         self._grow(1)
         if self.slot[0] == NO_SLOT:
-            self._process(DraftTree(root), np.zeros(1, np.int64))
+            self.process(DraftTree(root), np.zeros(1, np.int64))
 
     def snapshot(self) -> "DrafterState":
         """This round's state so far, to come back to with `restore` (trajectory collection builds every
@@ -136,7 +136,7 @@ class NeuralDrafter:
             self.slot = np.concatenate([self.slot, np.full(n - len(self.slot), NO_SLOT, np.int64)])
             self.row_of = np.concatenate([self.row_of, np.full(n - len(self.row_of), NO_SLOT, np.int64)])
 
-    def _process(self, tree: DraftTree, unseen: np.ndarray) -> None:
+    def process(self, tree: DraftTree, unseen: np.ndarray) -> None:
         """Run the model over `unseen` nodes (ascending ids, ancestors already processed or included),
         after any context tokens the cache still lacks."""
         if len(unseen) == 0:

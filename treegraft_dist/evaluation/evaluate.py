@@ -37,7 +37,7 @@ from ..decoding.schedule import SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
 from ..decoding.sizing import TreeSizer
 from ..files import write_parquet
 from ..models.loading import LoadedModel
-from ..models.prepare import cache_root
+from ..models.paths import cache_root
 from ..scheduling.artifact import load_artifact
 from ..scheduling.collect import Collector
 from ..scheduling.device import PROFILE_KEY, resolve_scheduler

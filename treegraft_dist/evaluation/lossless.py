@@ -34,7 +34,7 @@ dtype's relative rounding step; the logits' scale sets how much a relative error
 that matters is how much a change of pass shape can move the gap between two tokens: per position,
 max(dl) - min(dl) over the vocabulary, dl = the per-token logit difference between two pass shapes over
 the same positions (the worst pair of tokens, so an upper bound for the top two). Measured on CPU with
-`python jobs/bench_flips.py --rounding [--real]` (greedy continuations; one token a pass as `ar`, blocks
+`python -m jobs.bench.flips --rounding [--real]` (greedy continuations; one token a pass as `ar`, blocks
 of 8 after the prefill as a verification pass, one causal pass as here; all three pairs compared), worst
 spread in units of eps * max|logit|:
 

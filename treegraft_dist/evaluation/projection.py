@@ -17,7 +17,7 @@ prices the forwards, n-gram steps and scheduler calls; per-round bookkeeping (gr
 compaction, Python) is not in a profile. A round's acceptance is that of the recorded round, whose position
 the reference reached along the best schedule. The scheduler is fitted on three quarters of the same prompts.
 Shipped trajectories cover the held-in benchmarks only: MT-Bench never enters the offline stage.
-`jobs/check_projection.py` measures how far these projections are from a `treegraft eval` on one machine.
+`jobs/bench/check_projection.py` measures how far these projections are from a `treegraft eval` on one machine.
 
 A profile file is either a cost model as `treegraft eval` caches it (<cache>/profiles/<key>--costs.json) or
 jobs/gpu_check.py's profile.json: the measured pair's cost model with its metadata, and under "proxies" more

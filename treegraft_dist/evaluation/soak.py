@@ -1,6 +1,6 @@
 """A bounded soak of a running server: many greedy requests at once over mixed methods, streamed and not,
 some clients leaving early, while faults are injected; every answer is classed and checked against what
-plain decoding gives. `tests/jobs/test_serve_faults.py` runs a short one, `jobs/bench_soak.py` a longer one.
+plain decoding gives. `tests/jobs/test_serve_faults.py` runs a short one, `jobs/bench/soak.py` a longer one.
 
 Classes of an answer:
   served        200 with exactly the expected text

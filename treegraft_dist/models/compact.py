@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from . import kernels
-from .kernels import _PROBE_ROWS, LINEAR_ENV
+from .kernels import LINEAR_ENV, PROBE_ROWS
+from .paths import GROUPS_FILE
 from .precision import best_ms, cpu_flags
 
 DTYPE = torch.float32  # the precision compact layers compute in (and the only one they replace)
-GROUPS_FILE = "treegraft-weight-groups.safetensors"  # written by prepare.py beside a converted GGUF model
 _SOURCE = Path(__file__).parent / "csrc" / "compact_linear.cpp"
 _NEEDS_FLAGS = ("avx2", "fma", "f16c")
 _BF16, _FP16, _GROUPS = 0, 1, 2
@@ -64,7 +64,7 @@ class Choice:
 
 
 @functools.cache
-def _extension():
+def extension():
     """(the compiled kernel module or None, why not)."""
     missing = [f for f in _NEEDS_FLAGS if f not in cpu_flags()]
     if missing:
@@ -180,7 +180,7 @@ def exact_form(weight: torch.Tensor, groups: dict[str, Groups] | None = None) ->
         g = groups.get(fingerprint(weight[0]))
         if g is not None and tuple(g.q.shape) == (n, k):
             form = g.form()
-            ext, _ = _extension()
+            ext, _ = extension()
             if torch.equal(ext.decode(*form.args()) if ext is not None else form.decode(), weight):
                 return form
     for kind, dtype in ((_BF16, torch.bfloat16), (_FP16, torch.float16)):
@@ -193,21 +193,21 @@ def exact_form(weight: torch.Tensor, groups: dict[str, Groups] | None = None) ->
 def probe() -> tuple[bool, str]:
     """(compact faster than the packed fp32 product at 1 row and at most TREE_SLACK slower at 16, what was
     measured)."""
-    ext, _ = _extension()
+    ext, _ = extension()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*_PROBE_SHAPE, generator=g).to(torch.bfloat16).float()
     form = exact_form(w)
-    packed = kernels._reorder(w) if kernels.choice(DTYPE).packed else None
-    dense = (lambda x: nn.functional.linear(x, w)) if packed is None else (lambda x: kernels._packed_linear(x, packed, None))
+    packed = kernels.reorder(w) if kernels.choice(DTYPE).packed else None
+    dense = (lambda x: nn.functional.linear(x, w)) if packed is None else (lambda x: kernels.packed_linear(x, packed, None))
     fns = {}
-    for r in _PROBE_ROWS:
+    for r in PROBE_ROWS:
         x = torch.randn(r, _PROBE_SHAPE[1], generator=g)
         fns[r, "dense"] = lambda x=x: dense(x)
         fns[r, "compact"] = lambda x=x: ext.linear(x, *form.args(), None)
     ms = best_ms(fns, _PROBE_REPEATS)
-    one, tree = min(_PROBE_ROWS), max(_PROBE_ROWS)
+    one, tree = min(PROBE_ROWS), max(PROBE_ROWS)
     wins = ms[one, "compact"] < ms[one, "dense"] and ms[tree, "compact"] <= TREE_SLACK * ms[tree, "dense"]
-    text = ", ".join(f"{r} rows: fp32 {ms[r, 'dense']:.2f} ms, compact {ms[r, 'compact']:.2f} ms" for r in _PROBE_ROWS)
+    text = ", ".join(f"{r} rows: fp32 {ms[r, 'dense']:.2f} ms, compact {ms[r, 'compact']:.2f} ms" for r in PROBE_ROWS)
     return wins, f"probe {text}"
 
 
@@ -217,7 +217,7 @@ def choice() -> Choice:
     mode = os.environ.get(LINEAR_ENV, "auto")
     if mode in ("packed", "stock"):
         return Choice(False, f"${LINEAR_ENV}={mode}")
-    ext, why_not = _extension()
+    ext, why_not = extension()
     if ext is None:
         if mode == "compact":
             raise ValueError(f"${LINEAR_ENV}=compact: {why_not}; unset it to let the packed path run")
@@ -241,7 +241,7 @@ class CompactLinear(nn.Module):
         self.weight = None if dense is None else nn.Parameter(dense, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] fp32 -> [..., N] fp32
-        ext, _ = _extension()
+        ext, _ = extension()
         return ext.linear(x, *self.form.args(), self.bias)
 
     def extra_repr(self) -> str:

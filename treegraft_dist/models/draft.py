@@ -61,12 +61,12 @@ def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
     """Give `lm` a drafting head over `ids` ([V'] ascending int64, from draft_vocabulary; compact or packed, as
     the head or the other linears are); None: the full head."""
     if ids is None:
-        lm.draft_vocab, lm._draft_head = None, None
+        lm.draft_vocab, lm.draft_head = None, None
         return
     index = torch.from_numpy(ids).to(lm.device)
     head = compact.compact_head(lm.head, index)
     if head is not None:
-        lm.draft_vocab, lm._draft_head = index, head
+        lm.draft_vocab, lm.draft_head = index, head
         return
     bias = getattr(lm.head, "bias", None)
     with torch.no_grad():
@@ -78,7 +78,7 @@ def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
             head.bias.copy_(bias.detach()[index])
     if lm.packed:
         kernels.pack(head, pad_to=kernels.padding_of(lm.model))  # too small to measure alone: the model's
-    lm.draft_vocab, lm._draft_head = index, head
+    lm.draft_vocab, lm.draft_head = index, head
 
 
 def quantize_middle(lm: CausalLM) -> str:

@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 SDPA_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 # On CUDA torch ranks cuDNN's fused attention first where it applies (Hopper), and it spends about 1.2 ms of
 # host time on every call: a 28-layer target's one-token step took 61 ms (median) with it and 20 ms with torch's
-# memory-efficient kernel, the same kernel a masked tree pass gets (H200, torch 2.11, CUDA 13; `jobs/bench_step.py`).
+# memory-efficient kernel, the same kernel a masked tree pass gets (H200, torch 2.11, CUDA 13; `jobs/bench/step.py`).
 # Decoding here is host-bound on a GPU, so it stays off unless this is "1".
 CUDNN_SDPA_ENV = "TREEGRAFT_CUDNN_SDPA"
 
@@ -134,7 +134,7 @@ class CausalLM:
         self.compact = False  # linears over exact compact weights (compact.py)
         self.quantized = False  # decoder linears in int8 (draft.py; drafters only)
         self.draft_vocab: torch.Tensor | None = None  # [V'] ascending ids top_logprobs covers; None = all
-        self._draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
+        self.draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
         if self.device.type == "cpu":
             os.environ.setdefault(SDPA_GQA_ENV, "1")  # =0 keeps transformers' copies
         elif self.device.type == "cuda" and os.environ.get(CUDNN_SDPA_ENV) != "1":
@@ -271,10 +271,10 @@ class CausalLM:
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V'] fp32
         """Logits over the draft vocabulary only (all of it unless draft.py set a subset)."""
-        if self._draft_head is None:
+        if self.draft_head is None:
             return self.logits(hidden)
         with torch.inference_mode():
-            return self._draft_head(hidden).float()
+            return self.draft_head(hidden).float()
 
     def outside_draft_vocab(self, tokens) -> torch.Tensor | None:
         """[E] ascending ids among `tokens` that the draft vocabulary lacks (None: it has every id)."""

@@ -34,12 +34,13 @@ import torch
 from torch import nn
 
 from ..files import write_json
+from .paths import cache_root
 from .precision import best_ms, cpu_model
 
 LINEAR_ENV = "TREEGRAFT_LINEAR"  # auto (default) | compact | packed | stock
 LINEAR_MODES = ("auto", "compact", "packed", "stock")
 _PROBE_DIM = 1536
-_PROBE_ROWS = (1, 16)
+PROBE_ROWS = (1, 16)
 _PROBE_REPEATS = 5
 
 
@@ -49,11 +50,13 @@ class Choice:
     reason: str
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the same weight in oneDNN's blocked layout, for packed_linear (done once per layer)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, the weight as `reorder` gave it."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -64,7 +67,7 @@ def unsupported(dtype: torch.dtype) -> str | None:
     try:
         with torch.no_grad():
             w = torch.ones(16, 16, dtype=dtype)
-            _packed_linear(torch.ones(2, 16, dtype=dtype), _reorder(w), None)
+            packed_linear(torch.ones(2, 16, dtype=dtype), reorder(w), None)
     except (RuntimeError, AttributeError, NotImplementedError) as e:
         return f"oneDNN's packed linear does not run {str(dtype).removeprefix('torch.')} here ({str(e).splitlines()[0]})"
     return None
@@ -76,15 +79,15 @@ def probe(dtype: torch.dtype) -> tuple[bool, str]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g).to(dtype)
     with torch.no_grad():
-        packed = _reorder(w)
+        packed = reorder(w)
     fns = {}
-    for r in _PROBE_ROWS:
+    for r in PROBE_ROWS:
         x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
         fns[r, "stock"] = lambda x=x: nn.functional.linear(x, w)
-        fns[r, "packed"] = lambda x=x: _packed_linear(x, packed, None)
+        fns[r, "packed"] = lambda x=x: packed_linear(x, packed, None)
     ms = best_ms(fns, _PROBE_REPEATS)
-    wins = any(ms[r, "packed"] <= ms[r, "stock"] for r in _PROBE_ROWS)
-    text = ", ".join(f"{r} rows: stock {ms[r, 'stock']:.2f} ms, packed {ms[r, 'packed']:.2f} ms" for r in _PROBE_ROWS)
+    wins = any(ms[r, "packed"] <= ms[r, "stock"] for r in PROBE_ROWS)
+    text = ", ".join(f"{r} rows: stock {ms[r, 'stock']:.2f} ms, packed {ms[r, 'packed']:.2f} ms" for r in PROBE_ROWS)
     return wins, f"probe {text}"
 
 
@@ -113,7 +116,7 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose product runs through oneDNN on a weight packed once (`pack`); a product of
     fewer than `pad_to` rows runs with zero rows appended up to it (`row_padding`)."""
 
-    packed_weight: torch.Tensor  # [out, in] in oneDNN's blocked (mkldnn) layout, from `_reorder`
+    packed_weight: torch.Tensor  # [out, in] in oneDNN's blocked (mkldnn) layout, from `reorder`
     pad_to: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -121,9 +124,9 @@ class PackedLinear(nn.Linear):
         if 0 < rows < self.pad_to:
             padded = x.new_zeros(self.pad_to, x.shape[-1])
             padded[:rows] = x.reshape(rows, -1)
-            out = _packed_linear(padded, self.packed_weight, self.bias)[:rows]
+            out = packed_linear(padded, self.packed_weight, self.bias)[:rows]
             return out.reshape(*x.shape[:-1], out.shape[-1])
-        return _packed_linear(x, self.packed_weight, self.bias)
+        return packed_linear(x, self.packed_weight, self.bias)
 
 
 def pack(model: nn.Module, pad_to: int | None = None) -> int:
@@ -135,7 +138,7 @@ def pack(model: nn.Module, pad_to: int | None = None) -> int:
         for module in model.modules():
             if type(module) is not nn.Linear or module.weight.device.type != "cpu":
                 continue
-            module.packed_weight = _reorder(module.weight.detach())
+            module.packed_weight = reorder(module.weight.detach())
             module.__class__ = PackedLinear
             if module is not head:
                 module.weight = None  # the packed copy replaces it
@@ -165,7 +168,7 @@ PAD_MIN_GAIN = 0.93  # padding must measure at least 7% faster than one row, bey
 _PAD_REPEATS = 3
 # Where two paddings measure close, the probe can pick either from one process to the next, and every cost
 # profile and fitted scheduler is keyed by the padding: the first choice on a processor, for layers of
-# those shapes and dtype, is recorded here (under prepare.cache_root()) and kept.
+# those shapes and dtype, is recorded here (under paths.cache_root()) and kept.
 PAD_RECORD = "kernels/row-padding.json"
 
 
@@ -188,8 +191,6 @@ def row_padding(linears: list[PackedLinear]) -> int:
             break
     if size < PAD_PROBE_BYTES:
         return 1
-    from .prepare import cache_root  # not at the top: prepare imports compact, which imports this module
-
     path = cache_root() / PAD_RECORD
     record = json.loads(path.read_text()) if path.is_file() else {}
     key = _padding_key(stack)
@@ -217,7 +218,7 @@ def _sweep_ms(stack: list[PackedLinear], rows) -> dict[int, float]:
 
     def sweep(n):
         for m in stack:
-            _packed_linear(xs[n][m.in_features], m.packed_weight, m.bias)
+            packed_linear(xs[n][m.in_features], m.packed_weight, m.bias)
     return best_ms({n: functools.partial(sweep, n) for n in rows}, _PAD_REPEATS)
 
 
@@ -286,19 +287,19 @@ def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     with torch.no_grad():
         dense = w.to(dtype)
         if choice(dtype).packed:
-            packed = _reorder(dense)
-            base = lambda x: _packed_linear(x, packed, None)  # noqa: E731
+            packed = reorder(dense)
+            base = lambda x: packed_linear(x, packed, None)  # noqa: E731
         else:
             base = lambda x: nn.functional.linear(x, dense)  # noqa: E731
         q = _int8_layer(w, None, dtype)
     fns = {}
-    for r in _PROBE_ROWS:
+    for r in PROBE_ROWS:
         x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
         fns[r, name] = lambda x=x: base(x)
         fns[r, "int8"] = lambda x=x: q(x)
     ms = best_ms(fns, _PROBE_REPEATS)
-    wins = all(ms[r, "int8"] < ms[r, name] for r in _PROBE_ROWS)
-    text = ", ".join(f"{r} rows: {name} {ms[r, name]:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in _PROBE_ROWS)
+    wins = all(ms[r, "int8"] < ms[r, name] for r in PROBE_ROWS)
+    text = ", ".join(f"{r} rows: {name} {ms[r, name]:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in PROBE_ROWS)
     return wins, f"probe {text}"
 
 

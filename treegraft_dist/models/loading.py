@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from . import compact, draft, kernels
 from .hf import CausalLM
 from .precision import auto_dtype
+from .prepare import prepare_missing, resolve_model_path
 
 
 class ModelError(ValueError):
@@ -252,3 +253,21 @@ def check_pair(target: LoadedModel, middle: LoadedModel) -> None:
     if middle.lm.vocab_size < len(target.tokenizer):
         raise ModelError(f"middle model {middle.source!r} has {middle.lm.vocab_size} output ids, fewer than the "
                          f"{len(target.tokenizer)} tokens of the shared tokenizer")
+
+
+def resolve_pair(target: str, middle: str | None, cache_dir: str | None
+                 ) -> tuple[str, PreTrainedTokenizerBase, str | None, PreTrainedTokenizerBase | None]:
+    """(target source, tokenizer, middle source or None, tokenizer) for model names as the user gives them
+    (`middle` None or "none": no middle drafter): embedded names prepared on demand, tokenizers compared
+    before any weights are loaded."""
+    middle = None if middle is None or middle.lower() == "none" else middle
+    if middle is not None:
+        prepare_missing([target, middle], cache_dir)  # both side by side where both are to build
+    t_src = resolve_model_path(target, cache_dir)
+    t_tok = load_tokenizer(t_src)
+    if middle is None:
+        return t_src, t_tok, None, None
+    m_src = resolve_model_path(middle, cache_dir)
+    m_tok = load_tokenizer(m_src)
+    check_tokenizers(t_tok, m_tok, target, middle)
+    return t_src, t_tok, m_src, m_tok

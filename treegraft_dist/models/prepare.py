@@ -8,7 +8,7 @@ plain safetensors folder, and caches that folder:
     <cache>/qwen2.5-coder-1.5b-instruct/   config.json, model.safetensors, tokenizer files, weight groups, marker
     <cache>/qwen2.5-coder-0.5b-instruct/
 
-The weight groups (compact.GROUPS_FILE) keep each quantized tensor's integers and per-group scales and
+The weight groups (paths.GROUPS_FILE) keep each quantized tensor's integers and per-group scales and
 offsets as the GGUF defines them, so that the fp32 model can run over them exactly (compact.py).
 
 A folder is built under a temporary name next to its destination and renamed into place only once
@@ -35,11 +35,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .compact import GROUPS_FILE
+from .paths import GROUPS_FILE, cache_root
 
 EMBEDDED_PREFIX = "embedded:"
-CACHE_ENV = "TREEGRAFT_CACHE"
-DEFAULT_CACHE_DIR = "~/.cache/treegraft/models"
 MARKER_NAME = "treegraft-prepared.json"
 FORMAT = 2  # 2: the folder holds the weight groups too; a folder of another format is built again
 _CHUNK_BYTES = 8 << 20
@@ -88,10 +86,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 DEFAULT_TARGET = EMBEDDED_PREFIX + "qwen2.5-coder-1.5b-instruct"
 DEFAULT_MIDDLE = EMBEDDED_PREFIX + "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def is_prepared(folder: Path, model: EmbeddedModel) -> bool:
@@ -207,7 +201,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     _say(f"converted in {time.monotonic() - start:.0f} s", progress)
 
 
-def _group_params(kind: str, blocks: np.ndarray) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+def group_params(kind: str, blocks: np.ndarray) -> tuple[int, np.ndarray, np.ndarray | None] | None:
     """(group size, scale A [blocks, groups], offset B or None) of GGUF `blocks` ([blocks, block bytes] uint8)
     of a format that dequantizes each weight as fl(fl(A * q) - B) with an integer q (GGUF's block layouts);
     None for other formats."""
@@ -244,7 +238,7 @@ def write_weight_groups(gguf_path: Path, out_path: Path, progress: bool = True) 
         if len(t.shape) != 2 or block_size == 1:
             continue
         blocks = np.asarray(t.data).reshape(-1, block_bytes)
-        params = _group_params(kind, blocks)
+        params = group_params(kind, blocks)
         if params is None:
             continue
         group, scale, offset = params

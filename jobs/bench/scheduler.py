@@ -9,7 +9,7 @@
 the same state, with the tree already in the CPU caches, so (a) + (b) can come out below (c).
 
 Each request's context is 1,000 tokens of one random 200-token sequence over a 500-token vocabulary,
-repeated with 10% of the tokens mutated (the target's prefill top-k is synthetic, as in bench_ngram).
+repeated with 10% of the tokens mutated (the target's prefill top-k is synthetic, as in ngram.py).
 Rounds run `engine.draft_tree` over D = 5 layers, each layer calling the middle drafter with probability
 1/2: the n-gram drafter is the real one; the middle drafter is a stand-in that grafts what a call grafts
 (K children of each of the top-K reselected nodes) with random tokens and log-probs. A round accepts the
@@ -18,7 +18,7 @@ decoding. The timed calls run inside the drafters' `step`, on the tree, frontier
 engine's scheduler saw before that layer. The scheduler and the value heads are randomly initialised
 (the time does not depend on the weights), z-scored on the signals of the warm-up rounds.
 
-    python jobs/bench_scheduler.py [--calls 2000] [--seed 0]
+    python -m jobs.bench.scheduler [--calls 2000] [--seed 0]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from jobs.bench_ngram import synthetic_prefill
+from jobs.bench.common import synthetic_prefill
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import draft_tree
 from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache

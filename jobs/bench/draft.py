@@ -8,7 +8,7 @@ order alternating between prompts, after one untimed warm-up request each. Print
 the tokens/s ratio over `ar`, accepted tokens per round, ms per middle call and the per-phase seconds, then
 the means; every output is checked against `ar`'s.
 
-    python jobs/bench_draft.py --dtype float32 --methods all-small,all-mid --budgets all-small=8,all-mid=12
+    python -m jobs.bench.draft --dtype float32 --methods all-small,all-mid --budgets all-small=8,all-mid=12
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from treegraft_dist.models import draft, kernels  # noqa: E402
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.engine import Decoder  # noqa: E402
-from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
-from treegraft_dist.models.loading import load_model  # noqa: E402
-from treegraft_dist.models.prepare import cache_root  # noqa: E402
+from treegraft_dist.models import draft, kernels
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
+from treegraft_dist.models.loading import load_model
+from treegraft_dist.models.paths import cache_root
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 MIDDLE = "qwen2.5-coder-0.5b-instruct"

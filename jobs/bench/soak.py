@@ -3,8 +3,8 @@ early), with a drafter, a target worker and the coordinator killed between round
 round printed as a table: served, failed by a fault (a clean 503), disconnected, lost (must be 0), and the
 running and waiting counts the server reports afterwards (must be 0).
 
-  .venv/bin/python jobs/bench_soak.py [--rounds 5] [--requests 400] [--concurrency 16] [--no-kills]
-  .venv/bin/python jobs/bench_soak.py --url http://HOST:8000 --model NAME [--api-key KEY] [--no-kills]
+  .venv/bin/python -m jobs.bench.soak [--rounds 5] [--requests 400] [--concurrency 16] [--no-kills]
+  .venv/bin/python -m jobs.bench.soak --url http://HOST:8000 --model NAME [--api-key KEY] [--no-kills]
 
 Without --url it serves serve.yaml's application on a tiny random pair (as the server's tests do) on a local
 cluster and checks every output against transformers' greedy decoding of that target. With --url the oracle
@@ -25,9 +25,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from treegraft_dist.evaluation.soak import Fault, settle, soak  # noqa: E402
+from jobs.bench.common import tests_on_path
+from treegraft_dist.evaluation.soak import Fault, settle, soak
 
 KILLS = ("ray::DrafterHost", "ray::TargetWorker", "ray::Coordinator")
 
@@ -48,6 +47,7 @@ def kill(title: str) -> int:
 def tiny_server(name: str):
     """(base URL, greedy text oracle, a kill of this cluster's actors by class) of serve.yaml's application on a
     tiny random pair."""
+    tests_on_path()
     from localserve import kill_actors, serve_tiny
     from tiny import hf_greedy, tiny_model
 

@@ -9,7 +9,7 @@ forwards and its top-k, and prints per method:
   the prompt reads: a request's first call runs the whole prompt, a per-request cost no profile prices
   (kept out of the per-call figures).
 
-    python jobs/bench_calls.py -- --device cpu --prompts-per-benchmark 1 --max-new-tokens 64 \\
+    python -m jobs.bench.calls -- --device cpu --prompts-per-benchmark 1 --max-new-tokens 64 \\
         --benchmarks sum,gsm8k --methods ar,all-mid,treegraft --out out/bench-calls
 """
 
@@ -18,17 +18,14 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from treegraft_dist import cli  # noqa: E402
-from treegraft_dist.decoding import costs, engine, neural  # noqa: E402
-from treegraft_dist.evaluation.evaluate import Evaluation  # noqa: E402
-from treegraft_dist.models import hf  # noqa: E402
-from treegraft_dist.models.prepare import cache_root  # noqa: E402
+from jobs import cli
+from treegraft_dist.decoding import costs, engine, neural
+from treegraft_dist.evaluation.evaluate import Evaluation
+from treegraft_dist.models import hf
+from treegraft_dist.models.paths import cache_root
 
 
 class Recorder:
@@ -44,7 +41,7 @@ class Recorder:
 
     def install(self) -> None:
         rec = self
-        generate, step, process = engine.Decoder.generate, neural.NeuralDrafter.step, neural.NeuralDrafter._process
+        generate, step, process = engine.Decoder.generate, neural.NeuralDrafter.step, neural.NeuralDrafter.process
         hidden, top, init = hf.CausalLM.hidden, hf.CausalLM.top_logprobs, Evaluation.__init__
 
         def timed_generate(decoder, prompt, n, method="all-small", *a, **k):
@@ -93,7 +90,7 @@ class Recorder:
             rec.evaluation = evaluation
 
         engine.Decoder.generate, neural.NeuralDrafter.step = timed_generate, timed_step
-        neural.NeuralDrafter._process = timed_process
+        neural.NeuralDrafter.process = timed_process
         hf.CausalLM.hidden, hf.CausalLM.top_logprobs, Evaluation.__init__ = timed_hidden, timed_top, kept_evaluation
 
     def profile(self) -> dict[int, float]:
@@ -109,7 +106,7 @@ class Recorder:
         for method, calls in self.calls.items():
             fwd = np.array([sum(ms for _, ms in c["forwards"]) for c in calls])
             sizes = [n for c in calls for n, _ in c["forwards"]]
-            price = np.array([sum(costs._interp(profile, n) for n, _ in c["forwards"]) for c in calls])
+            price = np.array([sum(costs.interp(profile, n) for n, _ in c["forwards"]) for c in calls])
             total = np.array([c["ms"] for c in calls])
             top = np.array([c["top_ms"] for c in calls])
             reads = self.reads.get(method, [])

@@ -9,9 +9,9 @@ kernel source of git revision REV (built under its own name), to compare kernel 
      greedy `generate`, each on every variant, the order alternating per repeat; tokens/s and whether the
      ids equal the reference variant's `ar`.
 
-    python jobs/bench_kernels.py                        # auto dtype, 48 new tokens, 2 repeats
-    python jobs/bench_kernels.py --dtype float32 --variants stock,packed,compact --budgets 8,16
-    python jobs/bench_kernels.py --dtype float32 --variants compact@HEAD~1,compact   # kernel before/after
+    python -m jobs.bench.kernels                        # auto dtype, 48 new tokens, 2 repeats
+    python -m jobs.bench.kernels --dtype float32 --variants stock,packed,compact --budgets 8,16
+    python -m jobs.bench.kernels --dtype float32 --variants compact@HEAD~1,compact   # kernel before/after
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main() -> None:
         raise SystemExit(f"--variants {args.variants!r}: name some of stock, packed, compact, compact@REV")
     if "packed" in names and kernels.unsupported(dtype):
         raise SystemExit(f"no packed variant: {kernels.unsupported(dtype)}")
-    if any(v.startswith("compact") for v in names) and (dtype != torch.float32 or compact._extension()[0] is None):
-        raise SystemExit(f"no compact variant: {'fp32 only' if dtype != torch.float32 else compact._extension()[1]}")
+    if any(v.startswith("compact") for v in names) and (dtype != torch.float32 or compact.extension()[0] is None):
+        raise SystemExit(f"no compact variant: {'fp32 only' if dtype != torch.float32 else compact.extension()[1]}")
     folder = str(prepare_model(DEFAULT_TARGET))
     groups = compact.load_groups(folder) if any(v.startswith("compact") for v in names) else {}
     kernel_modules = {v: revision_kernel(v.partition("@")[2]) for v in names if v.startswith("compact@")}
@@ -74,12 +74,12 @@ def main() -> None:
         if variant not in kernel_modules:
             yield
             return
-        current = compact._extension
-        compact._extension = lambda: (kernel_modules[variant], "")
+        current = compact.extension
+        compact.extension = lambda: (kernel_modules[variant], "")
         try:
             yield
         finally:
-            compact._extension = current
+            compact.extension = current
 
     def load(variant: str):
         loaded = load_model(folder, "cpu", args.dtype, pack=False)

@@ -1,16 +1,21 @@
-"""`treegraft` command line: generate, eval, summary, collect, fit, project, serve, prepare-models.
+"""The `treegraft` commands: generate, eval, summary, collect, fit, project, serve, prepare-models.
 
 One file at about 500 lines on purpose: each subcommand is its parser and a short handler that checks the
-arguments and calls the package (the work itself lives in decoding/, scheduling/, evaluation/, models/ and
-actors/), and a reader finds every flag of the tool in one place.
+arguments and calls the package (the work itself lives in decoding/, scheduling/, evaluation/ and models/),
+and a reader finds every flag of the tool in one place. What runs on Ray (the distributed engine, collect,
+serve) is given to `main` as a RayCommands by the console script, jobs/cli.py: the package imports nothing
+of actors/ or jobs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from .decoding.config import TreeConfig
@@ -25,18 +30,16 @@ from .models.loading import (
     LoadedModel,
     ModelError,
     check_pair,
-    check_tokenizers,
     describe_model,
     load_model,
-    load_tokenizer,
     pick_device,
+    resolve_pair,
 )
 from .models.prepare import (
     DEFAULT_MIDDLE,
     DEFAULT_TARGET,
     PrepareError,
     prepare_default_models,
-    prepare_missing,
     resolve_model_path,
 )
 
@@ -45,6 +48,22 @@ TREEGRAFT_SIZED = "treegraft@sized"  # treegraft with every round's tree sized (
 
 class UsageError(ValueError):
     """Bad command-line input; printed as one line, no traceback."""
+
+
+# (args, target, middle or None, tree settings, sampling) -> a distributed engine, used as a context manager
+EngineFactory = Callable[[argparse.Namespace, LoadedModel, LoadedModel | None, TreeConfig, SamplingParams],
+                         AbstractContextManager]
+
+
+@dataclasses.dataclass(frozen=True)
+class RayCommands:
+    """What the commands run on Ray, given by the console script: the engine behind --distributed, the
+    `collect` and `serve` handlers, and the Ray side's errors to print as one line (once it is loaded)."""
+
+    engine: EngineFactory
+    collect: Callable[[argparse.Namespace], int]
+    serve: Callable[[argparse.Namespace], int]
+    errors: Callable[[], tuple[type, ...]]
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -92,23 +111,6 @@ def tree_config(args) -> TreeConfig:
                       long_chain=args.long_chain, deepen=args.deepen)
 
 
-def resolve_pair(target: str, middle: str | None, cache_dir: str | None) -> tuple[str, object, str | None, object]:
-    """(target source, tokenizer, middle source or None, tokenizer) for model names as the user gives them
-    (`middle` None or "none": no middle drafter): embedded names prepared on demand, tokenizers compared
-    before any weights are loaded."""
-    middle = None if middle is None or middle.lower() == "none" else middle
-    if middle is not None:
-        prepare_missing([target, middle], cache_dir)  # both side by side where both are to build
-    t_src = resolve_model_path(target, cache_dir)
-    t_tok = load_tokenizer(t_src)
-    if middle is None:
-        return t_src, t_tok, None, None
-    m_src = resolve_model_path(middle, cache_dir)
-    m_tok = load_tokenizer(m_src)
-    check_tokenizers(t_tok, m_tok, target, middle)
-    return t_src, t_tok, m_src, m_tok
-
-
 def load_pair(args, need_middle: bool):
     """(target, middle or None) as LoadedModels; with --distributed only tokenizers and configs are
     loaded here (the weights load in the actors)."""
@@ -130,23 +132,11 @@ def load_pair(args, need_middle: bool):
     return target, middle
 
 
-def distributed_engine(args, target: LoadedModel, middle: LoadedModel | None, cfg: TreeConfig,
-                       sampling: SamplingParams):
-    """A DistributedEngine on a local Ray cluster (or --address); on CPU the actors share the cores and
-    ask for no GPUs."""
-    from actors import DistributedEngine
-    from actors.resources import for_device
-
-    res = for_device(pick_device(args.device).type, args.tp)
-    return DistributedEngine(target.source, middle.source if middle else None, cfg, res, args.address, sampling,
-                             args.dtype)
-
-
 def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prompt: list[int]):
     """The learned scheduler for this pair and device (--scheduler, or the one fitted here from the trajectories
     shipped for the pair), else the heuristic."""
     from .decoding.schedule import ShallowTreeHeuristic
-    from .models.prepare import cache_root
+    from .models.paths import cache_root
     from .scheduling.artifact import load_artifact
     from .scheduling.device import resolve_scheduler
 
@@ -169,13 +159,13 @@ def device_sizer(args, target: LoadedModel):
 --budget or the largest size measured."""
     from .decoding.costs import latency_profile
     from .decoding.sizing import TreeSizer
-    from .models.prepare import cache_root
+    from .models.paths import cache_root
 
     costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, engine: EngineFactory) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():
@@ -209,8 +199,8 @@ def cmd_generate(args) -> int:
         if fitted is not None and args.budget is None and not sized:  # the tree size the scheduler was fitted for
             cfg = dataclasses.replace(cfg, budget=int(fitted.cost_profile["budget"]))
     if args.distributed:
-        with distributed_engine(args, target, middle, cfg, sampling) as engine:
-            gen = engine.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
+        with engine(args, target, middle, cfg, sampling) as distributed:
+            gen = distributed.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
                           sizer=device_sizer(args, target) if sized else None)
@@ -227,7 +217,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args, engine: EngineFactory) -> int:
     budget = _eval_budget(args.budget)
     cfg = EvalConfig(benchmarks=[b for b in args.benchmarks.split(",") if b], benchmark_files=args.benchmark_file,
                      methods=[m for m in args.methods.split(",") if m], prompts_per_benchmark=args.prompts_per_benchmark,
@@ -240,8 +230,8 @@ def cmd_eval(args) -> int:
     if args.distributed:
         if not isinstance(cfg.budget, int):
             raise UsageError("--budget auto profiles the target in this process: give one number with --distributed")
-        with distributed_engine(args, target, middle, TreeConfig(budget=cfg.budget), SamplingParams()) as engine:
-            summary = Evaluation(target, middle, cfg, engine=engine).run()
+        with engine(args, target, middle, TreeConfig(budget=cfg.budget), SamplingParams()) as distributed:
+            summary = Evaluation(target, middle, cfg, engine=distributed).run()
     else:
         summary = Evaluation(target, middle, cfg).run()
     return _report(summary, cfg.out)
@@ -285,25 +275,6 @@ def _int_arg(name: str, value: str) -> int:
         raise UsageError(f"{name} must be an integer or 'auto', got {value!r}") from None
 
 
-def cmd_collect(args) -> int:
-    from actors.collect import COLLECT_BENCHMARKS, CollectConfig, collect
-
-    tree = tree_config(args)
-    benchmarks = tuple(b for b in (args.benchmarks or ",".join(COLLECT_BENCHMARKS)).split(",") if b)
-    if args.middle.lower() == "none":
-        raise UsageError("collect builds trees with the middle drafter: give --middle")
-    t_src, _, m_src, _ = resolve_pair(args.target, args.middle, args.cache_dir)
-    cfg = CollectConfig(t_src, m_src, (args.target, args.middle), Path(args.out), benchmarks,
-                        args.prompts_per_benchmark, args.first_question, args.max_new_tokens, tree, args.device,
-                        args.dtype, args.actors, args.cpus_per_actor, args.gpus_per_actor, args.threads,
-                        Path(args.cache_dir) if args.cache_dir else None)
-    report = collect(cfg, args.address)
-    print(f"{report.collected} prompts collected ({report.rounds} rounds), {report.skipped} already there, of "
-          f"{report.prompts} selected, in {report.seconds:.0f} s\nrounds: {report.out / 'rounds'}\n"
-          f"manifest: {report.out / 'collect.json'}")
-    return 0
-
-
 def cmd_fit(args) -> int:
     from .scheduling.collect import read_trajectories
     from .scheduling.fit import fit
@@ -326,7 +297,7 @@ def _priced_for_this_device(args, traj):
     """The trajectories priced with this device's cost profile (the pair they record, loaded here), and the
     fit arguments that stamp the artifact with that profile."""
     from .decoding.costs import device_costs, profile_key
-    from .models.prepare import cache_root
+    from .models.paths import cache_root
     from .scheduling.device import PROFILE_KEY, measured_budgets, priced
 
     names = traj.manifest["pair"]
@@ -356,21 +327,13 @@ def cmd_project(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    from jobs.serve import run_local
-
-    return run_local(args)
-
-
 def cmd_prepare(args) -> int:
     target, middle = prepare_default_models(args.cache_dir, progress=True)
     print(f"target: {target}\nmiddle: {middle}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(ray: RayCommands) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treegraft", description="Lossless two-drafter tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -392,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=functools.partial(cmd_generate, engine=ray.engine))
 
     e = sub.add_parser("eval", help="methods x benchmark prompts, speedups, lossless check")
     _add_model_args(e)
@@ -412,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduler artifact (treegraft fit) for treegraft, value-planner and oracle (default: the "
                         "one shipped for the embedded pair)")
     e.add_argument("--out", default="out/eval")
-    e.set_defaults(func=cmd_eval)
+    e.set_defaults(func=functools.partial(cmd_eval, engine=ray.engine))
 
     s = sub.add_parser("summary", help="the summary table and chart of an eval folder (e.g. of an interrupted run)")
     s.add_argument("out", help="the --out folder of `treegraft eval` (holds results.parquet)")
@@ -446,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: cores / actors)")
     c.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
     c.add_argument("--out", default="out/trajectories", help="output folder; an interrupted run resumes there")
-    c.set_defaults(func=cmd_collect)
+    c.set_defaults(func=ray.collect)
 
     j = sub.add_parser("project", help="speedups projected from trajectories and a measured cost profile (no model runs)")
     j.add_argument("--profile", required=True,
@@ -485,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $TREEGRAFT_API_KEY, "
                         "else open)")
     v.add_argument("--cache-dir", default=None)
-    v.set_defaults(func=cmd_serve)
+    v.set_defaults(func=ray.serve)
 
     p = sub.add_parser("prepare-models", help="fetch, verify and convert the embedded default model pair")
     p.add_argument("--cache-dir", default=None)
@@ -493,20 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _distributed_errors() -> tuple[type, ...]:
-    """Placement and target-group failures print as one line too, once the Ray side is loaded."""
-    mod = sys.modules.get("actors")
-    return (mod.PlacementError, mod.TargetGroupError) if mod else ()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None, ray: RayCommands) -> int:
+    args = build_parser(ray).parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ModelError, PrepareError, ValueError, *_distributed_errors()) as e:
+    except (UsageError, ModelError, PrepareError, ValueError, *ray.errors()) as e:
         print(f"treegraft: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ all-small schedule (grafting and `next_frontier` exactly as the engine does), pr
 budget, and accepts the longest prefix of the true continuation that is a path in the pruned tree plus
 one bonus token, so the index grows as it does while decoding. Only `NGramDrafter.step` is timed.
 
-    python -m jobs.bench_ngram --context 2048 --rounds 200 --top-k 10 --depth 5 [--source zipf] [--profile]
+    python -m jobs.bench.ngram --context 2048 --rounds 200 --top-k 10 --depth 5 [--source zipf] [--profile]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from jobs.bench.common import PREFILL_TOP_K, synthetic_prefill
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import draft_tree
 from treegraft_dist.decoding.ngram import NGramDrafter, PrefillCache
@@ -32,7 +33,6 @@ from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import DraftTree
 
 DEFAULT_DATA = "/work/shared/data/benchmarks"
-PREFILL_TOP_K = 10  # the target's top-k stored per prompt position during prefill
 WARMUP_ROUNDS = 10
 BUILD_REPEATS = 5
 
@@ -75,18 +75,6 @@ def zipf_stream(n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
         else:
             out.extend((np.minimum(rng.zipf(1.2, size=8), vocab) - 1).tolist())
     return np.asarray(out[:n], np.int64)
-
-
-def synthetic_prefill(prompt: np.ndarray, vocab: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k tokens and log-probs per prompt position; the true next token is in the top-k 70% of the time."""
-    n = len(prompt)
-    tokens = rng.integers(0, vocab, size=(n, PREFILL_TOP_K))
-    nxt = np.append(prompt[1:], prompt[-1])
-    hit = rng.random(n) < 0.7
-    tokens[hit, rng.integers(0, PREFILL_TOP_K, size=n)[hit]] = nxt[hit]
-    logits = np.sort(rng.normal(0, 2, size=(n, PREFILL_TOP_K)), axis=1)[:, ::-1]
-    logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True) + 1.0)  # +1: the mass outside top-k
-    return tokens, logprobs
 
 
 class TimedDrafter:

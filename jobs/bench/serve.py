@@ -1,6 +1,6 @@
 """Served against in-process decoding, one request at a time: what the actors cost a single request.
 
-  .venv/bin/python jobs/bench_serve.py [--pair embedded|tiny] [--prompts 2] [--tokens 32] [--repeats 3]
+  .venv/bin/python -m jobs.bench.serve [--pair embedded|tiny] [--prompts 2] [--tokens 32] [--repeats 3]
         [--methods ar,treegraft] [--dtype auto] [--budget 64] [--served-threads N] [--also-threads N]
         [--worker-niceness N] [--linear same|auto|compact|packed|stock]
 
@@ -37,24 +37,20 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psutil
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from actors.engine import DistributedEngine  # noqa: E402
-from actors.resources import for_device  # noqa: E402
-from jobs.bench_batching import bench_prompts, pair_paths, served_default  # noqa: E402
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.engine import AR_METHOD, Decoder  # noqa: E402
-from treegraft_dist.models import compact, kernels, precision  # noqa: E402
-from treegraft_dist.models.loading import DTYPES, check_pair, load_model, pick_dtype  # noqa: E402
+from actors.engine import DistributedEngine
+from actors.resources import for_device
+from jobs.bench.common import bench_prompts, pair_paths, pin_kernels, served_default
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import AR_METHOD, Decoder
+from treegraft_dist.models import kernels, precision
+from treegraft_dist.models.loading import DTYPES, check_pair, load_model, pick_dtype
 
 IN_PROCESS, SERVED = "in-process", "served"
 
@@ -65,21 +61,6 @@ def resident_gb(pid: int | None = None) -> float:
 
 def linear_path(lm) -> str:
     return "compact" if lm.compact else "packed" if lm.packed else "stock"
-
-
-def pin_kernels(dtype: torch.dtype, path: str | None = None) -> str:
-    """The CPU linear path (`path`, or the one this process's probes choose for `dtype`) and the middle's int8
-    decision, set in $TREEGRAFT_LINEAR and $TREEGRAFT_DRAFT_INT8 so that the Ray workers started from here run
-    them too (each process probes on its own otherwise, and a near tie can send the target worker one way and
-    this process the other)."""
-    if path is None and dtype == compact.DTYPE and compact.choice().compact:
-        path = "compact"
-    elif path is None:
-        path = "packed" if kernels.choice(dtype).packed else "stock"
-    os.environ[kernels.LINEAR_ENV] = path
-    int8 = kernels.int8_choice(dtype).int8
-    os.environ[kernels.INT8_ENV] = "on" if int8 else "off"
-    return f"{path} linears, middle {'in int8' if int8 else 'not in int8'}"
 
 
 def actor_facts(engine: DistributedEngine) -> dict[str, dict]:

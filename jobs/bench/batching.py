@@ -1,7 +1,7 @@
 """Batched verification across requests: throughput and latency at 1, 4, 8 and 16 requests in flight, with
 speculation on and off, on one distributed engine, side by side in one run.
 
-  .venv/bin/python jobs/bench_batching.py [--pair embedded|tiny] [--tokens 32] [--concurrency 1,4,8,16]
+  .venv/bin/python -m jobs.bench.batching [--pair embedded|tiny] [--tokens 32] [--concurrency 1,4,8,16]
         [--methods ar,all-small,all-small@fixed,treegraft] [--dtype auto] [--threads N]
 
 `ar` is the same engine with speculation off (its steps are batched across requests too, so it is the
@@ -25,61 +25,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from actors.engine import DistributedEngine  # noqa: E402
-from actors.resources import for_device  # noqa: E402
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.schedule import ShallowTreeHeuristic  # noqa: E402
-from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
-
-
-def pair_paths(kind: str, folder: str):
-    """(target folder, middle folder, tokenizer)."""
-    if kind == "embedded":
-        from treegraft_dist.models.loading import load_tokenizer
-        from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET, prepare_model
-
-        t, m = str(prepare_model(DEFAULT_TARGET)), str(prepare_model(DEFAULT_MIDDLE))
-        return t, m, load_tokenizer(t)
-    from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
-
-    model, tok = tiny_model("llama", init=0.4), char_tokenizer()
-    return (save_tiny(Path(folder) / "t", model, tok), save_tiny(Path(folder) / "m", perturbed_copy(model, 0.2, 1), tok),
-            tok)
-
-
-def served_default(kind: str, t_path: str, m_path: str, dtype: str, threads: int | None):
-    """The policy `treegraft serve` gives its default method for this pair, found as the server finds it: for
-    the embedded pair the scheduler fitted for this device (`fit_device_scheduler` in a Ray task on the
-    target's resources; measured and fitted on first use, then read from the cache); for the tiny pair, which
-    ships no trajectories, the shallow-tree heuristic. Returns (policy, the budget the server would verify at,
-    a line that says which)."""
-    if kind != "embedded":
-        return ShallowTreeHeuristic(), TreeConfig().budget, "the shallow-tree heuristic (no trajectories ship)"
-    from jobs.serve import fit_device_scheduler
-    from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
-    from treegraft_dist.scheduling.device import PROFILE_KEY
-
-    task = ray.remote(num_cpus=1, max_calls=1)(fit_device_scheduler)
-    policy = ray.get(task.remote((DEFAULT_TARGET, DEFAULT_MIDDLE), t_path, m_path, "cpu", dtype, None, threads))
-    profile = policy.info.cost_profile
-    return policy, int(profile["budget"]), (f"the scheduler fitted for this device ({profile.get(PROFILE_KEY)}), "
-                                            f"budget {profile['budget']}, call cap {profile.get('call_cap')}")
-
-
-def bench_prompts(tok, n: int) -> list[list[int]]:
-    names = list(BENCHMARKS)
-    qs = [builtin(names[i % len(names)])[i // len(names)] for i in range(n)]
-    return [chat_prompt(tok, [q.turns[0]], []) for q in qs]
+from actors.engine import DistributedEngine
+from actors.resources import for_device
+from jobs.bench.common import bench_prompts, pair_paths, served_default
+from treegraft_dist.decoding.config import TreeConfig
 
 
 def run_cell(engine, prompts, tokens, method, eos, one_at_a_time=False):

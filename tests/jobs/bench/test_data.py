@@ -1,4 +1,4 @@
-"""jobs/bench_data.py on the shipped trajectories: a learning curve on fixed held-out prompts, and a clear
+"""`python -m jobs.bench.data` on the shipped trajectories: a learning curve on fixed held-out prompts, and a clear
 refusal where the prompts cannot be split as asked."""
 
 import csv
@@ -8,13 +8,13 @@ from pathlib import Path
 
 from treegraft_dist.scheduling.device import SHIPPED_TRAJECTORIES
 
-SCRIPT = Path(__file__).parents[2] / "jobs" / "bench_data.py"
+ROOT = Path(__file__).parents[3]
 DATA = next(iter(SHIPPED_TRAJECTORIES.values()))
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--data", str(DATA), *args],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "jobs.bench.data", "--data", str(DATA), *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def test_the_curve_fits_on_more_prompts_and_never_beats_the_oracle(tmp_path):
@@ -42,29 +42,3 @@ def test_asking_for_more_prompts_than_were_collected_says_so():
     done = run("--costs", "/nonexistent/costs.json")
     assert done.returncode != 0 and "no such file" in done.stderr and "Traceback" not in done.stderr
 
-
-def load_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_root_signals_replace_only_the_device_constant_inputs():
-    import numpy as np
-
-    from treegraft_dist.scheduling.collect import read_trajectories
-
-    script = load_script()
-    assert script.longest_match([1, 2, 3, 9, 1, 2, 3]) == 3  # "1 2 3" occurred before
-    assert script.longest_match([1, 2, 3, 4]) == 0
-    assert script.longest_match([5, 5, 5, 5, 5], cap=2) == 2
-    rounds = read_trajectories(DATA).rounds(4)
-    features = np.random.default_rng(0).random((len(rounds), 3))
-    view = script.with_root(rounds, features)
-    assert np.allclose(view.signals[:, 7, 1:4], features.astype(np.float32))  # every prefix state of a round
-    untouched = [0] + list(range(4, view.signals.shape[2]))
-    assert np.array_equal(view.signals[:, :, untouched], rounds.signals[:, :, untouched])
-    assert np.array_equal(view.accepted, rounds.accepted) and np.array_equal(view.latency_ms, rounds.latency_ms)

@@ -2,7 +2,7 @@
 the row count oneDNN streams fastest (models/kernels.row_padding) and single-request blocks of up to
 models/hf.SMALL_BLOCK rows attending by grouped matmuls instead of torch's fused attention.
 
-    python jobs/bench_passes.py --benchmarks humaneval,gsm8k,sum --new-tokens 64 --repeats 2
+    python -m jobs.bench.passes --benchmarks humaneval,gsm8k,sum --new-tokens 64 --repeats 2
 
 Loads the embedded pair once (bf16 where native) and decodes the first question of each benchmark with
 every method under both settings, the settings alternating per (prompt, method, repeat), so background
@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.engine import Decoder  # noqa: E402
-from treegraft_dist.evaluation import benchmarks, lossless  # noqa: E402
-from treegraft_dist.models import hf, kernels, prepare  # noqa: E402
-from treegraft_dist.models.loading import load_model  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.evaluation import benchmarks, lossless
+from treegraft_dist.models import hf, kernels, paths
+from treegraft_dist.models.loading import load_model
 
 TARGET, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 GENERATE = "generate"  # transformers' own greedy generate on the same model
@@ -66,7 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    root = prepare.cache_root()
+    root = paths.cache_root()
     target = load_model(str(root / TARGET), "cpu", args.dtype)
     middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True)
     pad = kernels.padding_of(target.lm.model)

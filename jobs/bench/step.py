@@ -4,9 +4,9 @@ step's operators under torch's profiler (host and device time). On randomly init
 embedded target's exact config, so nothing is downloaded; the device's host cost per kernel launch and per
 attention call is what it exposes.
 
-    python -m jobs.bench_step --device cuda                  # the embedded target's shape, bf16
-    python -m jobs.bench_step --device cuda --cudnn-sdpa     # with torch's cuDNN attention left on
-    python -m jobs.bench_step --device cpu --tiny            # how it is tested
+    python -m jobs.bench.step --device cuda                  # the embedded target's shape, bf16
+    python -m jobs.bench.step --device cuda --cudnn-sdpa     # with torch's cuDNN attention left on
+    python -m jobs.bench.step --device cpu --tiny            # how it is tested
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Drafting from what the server has seen: the same engine with and without its n-gram history
 (Resources.history_tokens), side by side, on requests that repeat earlier ones.
 
-  .venv/bin/python jobs/bench_history.py [--pair embedded|tiny] [--questions 3] [--tokens 48]
+  .venv/bin/python -m jobs.bench.history [--pair embedded|tiny] [--questions 3] [--tokens 48]
         [--methods all-small,treegraft] [--history 200000] [--dtype auto] [--out FILE.parquet]
 
 The workload, per MT-Bench question (two turns each; each method its own questions), in this order: the first turn; the second turn, the
@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from actors.engine import DistributedEngine  # noqa: E402
-from actors.resources import for_device  # noqa: E402
-from jobs.bench_batching import pair_paths, served_default  # noqa: E402
-from jobs.bench_serve import pin_kernels  # noqa: E402
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt  # noqa: E402
-from treegraft_dist.models.loading import pick_dtype  # noqa: E402
+from actors.engine import DistributedEngine
+from actors.resources import for_device
+from jobs.bench.common import pair_paths, pin_kernels, served_default
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.models.loading import pick_dtype
 
 KINDS = ("first turn", "second turn", "asked again")
 SIDES = ("no history", "history")

@@ -16,7 +16,7 @@ is decoded again for it (bf16: minutes on a CPU). Last, the ceilings of policies
 hindsight per benchmark and per prompt (every collected prompt but MT-Bench's): how much of the per-round
 oracle any choice coarser than a round can reach.
 
-    python jobs/bench_data.py --data treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct \
+    python -m jobs.bench.data --data treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct \
         --costs ~/.cache/treegraft/models/profiles/<key>--costs.json --budget 12 --train 10,20,30 --seeds 0,1,2
 
 Prints a table (mean over seeds; each seed draws its own held-out and train prompts) and writes it as CSV
@@ -33,54 +33,24 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from treegraft_dist.decoding.costs import CostModel  # noqa: E402
-from treegraft_dist.decoding.schedule import SCHEDULES  # noqa: E402
-from treegraft_dist.files import write_csv  # noqa: E402
-from treegraft_dist.scheduling.collect import read_trajectories  # noqa: E402
-from treegraft_dist.scheduling.device import priced  # noqa: E402
-from treegraft_dist.scheduling.fit import (  # noqa: E402
+from treegraft_dist.decoding.costs import CostModel
+from treegraft_dist.decoding.schedule import SCHEDULES
+from treegraft_dist.files import write_csv
+from treegraft_dist.scheduling.collect import read_trajectories
+from treegraft_dist.scheduling.device import priced
+from treegraft_dist.scheduling.fit import (
     call_cap,
     oracle_schedules,
     reference_speeds,
     schedules_from_margins,
     speed,
 )
-from treegraft_dist.scheduling.value import CANDIDATE_SUBSETS, feasible, fit_value_heads  # noqa: E402
-
-MATCH_CAP = 32  # longest suffix match looked for, in tokens
+from treegraft_dist.scheduling.inputs import longest_match, with_history, with_root
+from treegraft_dist.scheduling.value import CANDIDATE_SUBSETS, feasible, fit_value_heads
 
 
 def feasible_schedules(cap: int) -> list[int]:
     return [int(s) for s in np.flatnonzero(feasible(cap))]
-
-
-def with_history(traj, rounds):
-    """`rounds` with signals 1 and 2 (t_tgt_ms, t_mid_ms) replaced by log1p of the previous round's accepted
-    length under the collection's behaviour schedule and under all-small (0 at a prompt's first round)."""
-    order = traj.table.column("round").to_numpy()
-    behaviour = traj.table.column("behaviour").to_numpy().astype(np.int64)
-    prev = np.zeros((len(order), 2))
-    later = np.flatnonzero(order > 0)  # rows are stored in round order within a prompt
-    if np.any(order[later - 1] != order[later] - 1):
-        raise ValueError("rounds are not stored in order within each prompt: the previous round is not the row before")
-    prev[later, 0] = rounds.accepted[later - 1, behaviour[later - 1]]
-    prev[later, 1] = rounds.accepted[later - 1, 0]
-    signals = rounds.signals.copy()
-    signals[:, :, 1:3] = np.log1p(prev)[:, None, :]
-    return type(rounds)(signals, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
-
-
-def longest_match(context: list[int], cap: int = MATCH_CAP) -> int:
-    """Length of the longest suffix of `context` that also occurs earlier in it (up to `cap`)."""
-    n, best = len(context), 0
-    for length in range(1, min(cap, n - 1) + 1):
-        suffix = context[n - length :]
-        if not any(context[i : i + length] == suffix for i in range(n - length)):
-            break
-        best = length
-    return best
 
 
 def root_features(traj) -> np.ndarray:  # [R, 3]: p(root), entropy where the root was produced, log1p(match)
@@ -89,7 +59,8 @@ def root_features(traj) -> np.ndarray:  # [R, 3]: p(root), entropy where the roo
 
     from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
     from treegraft_dist.models.loading import load_model
-    from treegraft_dist.models.prepare import MARKER_NAME, cache_root
+    from treegraft_dist.models.paths import cache_root
+    from treegraft_dist.models.prepare import MARKER_NAME
     from treegraft_dist.scheduling.collect import reference_decode
 
     source = cache_root() / "qwen2.5-coder-1.5b-instruct"
@@ -121,13 +92,6 @@ def root_features(traj) -> np.ndarray:  # [R, 3]: p(root), entropy where the roo
             context = seq[: len(prompt) + int(position[r])]
             out[r] = top[produced], entropy[produced], np.log1p(longest_match(context))
     return out
-
-
-def with_root(rounds, features: np.ndarray):
-    """`rounds` with signals 1-3 (the device-constant timings) replaced by `features` ([R, 3])."""
-    signals = rounds.signals.copy()
-    signals[:, :, 1:4] = features[:, None, :].astype(np.float32)
-    return type(rounds)(signals, rounds.accepted, rounds.latency_ms, rounds.prompt_ids, rounds.benchmarks)
 
 
 def hindsight(rounds, cap: int, groups: np.ndarray) -> float:

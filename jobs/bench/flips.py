@@ -32,8 +32,8 @@ of bf16 rounding), not from the head's final rounding; it moved the one flip, it
 63 of the 192 positions had a top-two gap within the rounding tolerance (about 2 logits at this scale):
 one gap alone is a weak test there, which is why `classify` also checks every later token.
 
-    python jobs/bench_flips.py --rounding [--real] [--tokens 64]
-    python jobs/bench_flips.py [--model PATH] [--benchmarks gsm8k,humaneval,alpaca,qa] [--tokens 48] [--budget 16]
+    python -m jobs.bench.flips --rounding [--real] [--tokens 64]
+    python -m jobs.bench.flips [--model PATH] [--benchmarks gsm8k,humaneval,alpaca,qa] [--tokens 48] [--budget 16]
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from jobs.bench.common import tests_on_path
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder, truncate
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
@@ -129,7 +128,7 @@ def rounding_rows(name: str, lm: CausalLM, prompts: list[list[int]], n: int) -> 
 
 
 def tiny_models(dtype: torch.dtype):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    tests_on_path()
     from tiny import tiny_model
 
     for arch in ("llama", "qwen3"):

@@ -2,12 +2,12 @@
 `model.generate(do_sample=False)` on the embedded target, side by side, in bf16 and fp32.
 
 For every dtype, prompt and repeat the two run in turn (the order alternates), on the same loaded target
-(each revision imported under its own name, see bench_round.py). Prints tokens/s over the whole request, the
+(each revision imported under its own name, see round.py). Prints tokens/s over the whole request, the
 prefill (ours: the prefill phase; generate: a 1-token generate) and the decoding ms per token after it,
 and whether both produced the same ids.
 
-    python jobs/bench_ar.py                               # the working tree
-    python jobs/bench_ar.py --revs HEAD~1 . --repeats 3   # ar of two revisions, generate in each
+    python -m jobs.bench.ar                               # the working tree
+    python -m jobs.bench.ar --revs HEAD~1 . --repeats 3   # ar of two revisions, generate in each
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import statistics
 import sys
 
 import torch
-from bench_round import GENERATE, load_revisions, per_round_ms
+
+from jobs.bench.common import GENERATE, load_revisions, per_round_ms
 
 METHODS = ("ar", GENERATE)
 

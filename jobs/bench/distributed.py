@@ -1,7 +1,7 @@
 """Distributed path vs the single-process engine on the same models, on this machine's CPU.
 
-  .venv/bin/python jobs/bench_distributed.py [--tokens 64] [--prompts 4] [--tp 1 2]
-  .venv/bin/python jobs/bench_distributed.py --pair embedded --tp 1 --tokens 32 --schedules all-small,01001
+  .venv/bin/python -m jobs.bench.distributed [--tokens 64] [--prompts 4] [--tp 1 2]
+  .venv/bin/python -m jobs.bench.distributed --pair embedded --tp 1 --tokens 32 --schedules all-small,01001
         [--budget 4] [--compare-prefetch [--prefetch-last]]   # with and without the middle catch-up prefetch
 
 Per schedule and TP size: time per round (wall time / target verifications) of the single-process
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,22 +23,20 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny import VOCAB, char_tokenizer, perturbed_copy, save_tiny, tiny_model  # noqa: E402
-
-from actors.engine import DistributedEngine  # noqa: E402
-from actors.resources import Resources  # noqa: E402
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.engine import Decoder  # noqa: E402
-from treegraft_dist.models.hf import CausalLM  # noqa: E402
+from actors.engine import DistributedEngine
+from actors.resources import Resources
+from jobs.bench.common import tests_on_path
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.models.hf import CausalLM
 
 SCHEDULES = ("all-small", "01001", "all-mid")
 
 
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    half = [[rng.randrange(VOCAB) for _ in range(32)] for _ in range(n - n // 2)]
-    return half + [[rng.randrange(VOCAB) for _ in range(8)] * 4 for _ in range(n // 2)]
+    half = [[rng.randrange(vocab) for _ in range(32)] for _ in range(n - n // 2)]
+    return half + [[rng.randrange(vocab) for _ in range(8)] * 4 for _ in range(n // 2)]
 
 
 def per_round_ms(run, prompts, tokens, method) -> tuple[float, int]:
@@ -77,10 +74,13 @@ def main() -> None:
     if args.pair == "embedded":
         embedded_pair(args, schedules)
         return
+    tests_on_path()
+    from tiny import VOCAB, char_tokenizer, perturbed_copy, save_tiny, tiny_model
+
     model = tiny_model("llama")
     middle = perturbed_copy(model, 0.3, 1)
     decoder = Decoder(CausalLM(model), CausalLM(middle))
-    prompts = make_prompts(args.prompts)
+    prompts = make_prompts(args.prompts, VOCAB)
     single = {m: per_round_ms(decoder.generate, prompts, args.tokens, m) for m in schedules}
     rows, tput = [], []
     with tempfile.TemporaryDirectory() as d:

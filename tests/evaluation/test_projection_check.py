@@ -1,5 +1,5 @@
-"""jobs/check_projection.py on tiny models: one command projects with this machine's own profile, runs eval on
-the same prompts, and reports the error per method."""
+"""The projection checked on tiny models: this machine's own profile projected, eval run on the same prompts,
+and the error reported per method."""
 
 import csv
 
@@ -7,10 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model, write_trajectories
 
-from jobs import check_projection
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import CostModel
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
+from treegraft_dist.evaluation.projection_check import check, checked_methods, checked_trajectories
 from treegraft_dist.models.loading import load_model
 
 FAST = {"value_fit": {"epochs": 3}, "scheduler_fit": {"epochs": 3}}
@@ -18,7 +18,7 @@ ELSEWHERE = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 2: 5.2,
 
 
 @pytest.mark.integration
-def test_projection_checked_against_eval_on_the_same_prompts(tmp_path, capsys):
+def test_projection_checked_against_eval_on_the_same_prompts(tmp_path):
     tok = char_tokenizer()
     model = tiny_model("llama", seed=3, init=0.4)
     t = save_tiny(tmp_path / "t", model, tok)
@@ -29,10 +29,11 @@ def test_projection_checked_against_eval_on_the_same_prompts(tmp_path, capsys):
     data = write_trajectories(tmp_path / "traj", target, middle, (t, m), prompts, TreeConfig(budget=16), ELSEWHERE,
                               (1, 2, 4, 8, 16), 12)
     out = tmp_path / "check"
-    code = check_projection.main(["--target", t, "--middle", m, "--data", str(data), "--prompts-per-benchmark", "1",
-                                  "--dtype", "float32", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
-                                 **FAST)
-    assert code == 0
+    traj = checked_trajectories((t, m), data, 1)
+    pair = load_model(t, "cpu", "float32"), load_model(m, "cpu", "float32", drafter=True)
+    done = check(traj, *pair, (t, m), checked_methods("ar,all-small,all-mid,treegraft"), 1, out,
+                 str(tmp_path / "cache"), log=lambda _: None, **FAST)
+    assert done.mismatches == 0
     rows = list(csv.DictReader((out / "check.csv").open()))
     assert {r["method"] for r in rows} == {"ar", "all-small", "all-mid", "treegraft"}
     assert {r["benchmark"] for r in rows} == {"alpaca", "qa", "(mean)"}
@@ -47,5 +48,17 @@ def test_projection_checked_against_eval_on_the_same_prompts(tmp_path, capsys):
     budget = {r["method"]: r["budget"] for r in rows}
     assert all(str(r["budget"]) == budget[r["method"]] for r in results if r["method"] in ("all-small", "all-mid"))
     assert all(r["verdict"] == "exact" for r in results)
-    printed = capsys.readouterr().out
-    assert "| method | budget | projected tok/s | measured decode tok/s | error |" in printed
+    assert "| method | budget | projected tok/s | measured decode tok/s | error |" in done.text
+    assert (out / "check.md").read_text() == done.text
+
+
+def test_what_cannot_be_checked_is_refused_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="takes ar and any of"):
+        checked_methods("all-small,all-mid")
+    with pytest.raises(ValueError, match="takes ar and any of"):
+        checked_methods("ar,sometimes")
+    assert checked_methods("ar,,treegraft") == ["ar", "treegraft"]
+    with pytest.raises(ValueError, match="at least 1"):
+        checked_trajectories(("t", "m"), None, 0)
+    with pytest.raises(ValueError, match="no trajectories ship"):
+        checked_trajectories(("t", "m"), None, 1)

@@ -1,4 +1,4 @@
-"""jobs/bench_calls.py on tiny models: every middle call of an evaluation timed and split, the prompt reads
+"""`python -m jobs.bench.calls` on tiny models: every middle call of an evaluation timed and split, the prompt reads
 kept apart, and a run without a middle call refused."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiny import char_tokenizer, perturbed_copy, save_tiny, tiny_model
 
-SCRIPT = Path(__file__).parents[2] / "jobs" / "bench_calls.py"
+ROOT = Path(__file__).parents[3]
 
 
 def run(tmp_path, methods: str) -> subprocess.CompletedProcess:
@@ -19,10 +19,10 @@ def run(tmp_path, methods: str) -> subprocess.CompletedProcess:
     bench = tmp_path / "mine.jsonl"
     bench.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [q]})
                                for i, q in enumerate(["abab abab abab abab", "the cat sat on the mat, the cat"])))
-    return subprocess.run([sys.executable, str(SCRIPT), "--", "eval", "--target", t, "--middle", m, "--benchmarks", "",
+    return subprocess.run([sys.executable, "-m", "jobs.bench.calls", "--", "eval", "--target", t, "--middle", m, "--benchmarks", "",
                            "--benchmark-file", str(bench), "--methods", methods, "--prompts-per-benchmark", "2",
                            "--max-new-tokens", "10", "--budget", "8", "--out", str(tmp_path / "out"), "--device", "cpu",
-                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def test_every_call_is_split_into_forwards_top_k_and_the_rest(tmp_path):

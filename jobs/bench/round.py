@@ -4,11 +4,11 @@ Decodes the first question of a few benchmarks (chat-formatted first turn) with 
 method and budget, and prints per phase of RequestStats.seconds the ms per round (prefill: ms per request)
 and the total per round (the wall time less the prefill, over the rounds).
 
-    python jobs/bench_round.py                               # the working tree
-    python jobs/bench_round.py --revs HEAD~1 HEAD            # two commits side by side
-    python jobs/bench_round.py --revs HEAD . --repeats 2     # `.` is the working tree, edits included
-    python jobs/bench_round.py --micro HEAD~1                # tree ops and prefill cache, HEAD~1 vs `.`
-    python jobs/bench_round.py --profile cprofile            # where the time goes (or: torch)
+    python -m jobs.bench.round                               # the working tree
+    python -m jobs.bench.round --revs HEAD~1 HEAD            # two commits side by side
+    python -m jobs.bench.round --revs HEAD . --repeats 2     # `.` is the working tree, edits included
+    python -m jobs.bench.round --micro HEAD~1                # tree ops and prefill cache, HEAD~1 vs `.`
+    python -m jobs.bench.round --profile cprofile            # where the time goes (or: torch)
 
 Each revision's `treegraft_dist` (from `git archive`; `.` = a copy of the working tree) is imported under
 its own name in this one process, and all of them drive the same loaded models, so a comparison costs the
@@ -21,167 +21,19 @@ verified trees (tokens and parents of every pruned tree, hashed) and the same ac
 from __future__ import annotations
 
 import argparse
-import atexit
 import cProfile
-import hashlib
 import importlib
 import os
 import pstats
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET = "qwen2.5-coder-1.5b-instruct"
-MIDDLE = "qwen2.5-coder-0.5b-instruct"
-PHASES = ("prefill", "ngram", "middle", "scheduler", "verify", "other")
-GENERATE = "generate"  # not a Decoder method: transformers' own greedy `model.generate`
-
-
-def import_revision(rev: str, scratch: Path) -> str:
-    """Import `rev`'s package (`.` = the working tree now) under a name of its own; returns that name."""
-    if rev == ".":
-        name = "treegraft_worktree"
-        shutil.copytree(ROOT / "treegraft_dist", scratch / name, ignore=shutil.ignore_patterns("__pycache__"))
-    else:
-        sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
-                             text=True).stdout.strip()
-        name = f"treegraft_{sha}"
-        archive = subprocess.run(["git", "archive", sha, "treegraft_dist"], cwd=ROOT, check=True,
-                                 capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive.stdout, check=True)
-        (scratch / "treegraft_dist").rename(scratch / name)
-    if str(scratch) not in sys.path:
-        sys.path.insert(0, str(scratch))
-    importlib.import_module(name)
-    return name
-
-
-def module(package: str, *names: str):
-    """`package`'s module under the first of `names` it has (revisions before the package was split into
-    models/, decoding/, evaluation/ kept every module at the top)."""
-    for name in names:
-        try:
-            return importlib.import_module(f"{package}.{name}")
-        except ModuleNotFoundError as e:
-            if not e.name or not f"{package}.{name}".startswith(e.name):
-                raise
-    raise ModuleNotFoundError(f"{package} has none of {', '.join(names)}")
-
-
-def load_middle(models, source: str, dtype: str, tokenizer):
-    """The middle drafter as the evaluation loads it (int8 decoder linears where faster), where the revision
-    has that option."""
-    try:
-        return models.load_model(source, "cpu", dtype, tokenizer, drafter=True)
-    except TypeError:
-        return models.load_model(source, "cpu", dtype, tokenizer)
-
-
-class Models:
-    """The embedded pair, loaded once (with the first revision's loader) and shared by all revisions."""
-
-    def __init__(self, package: str, dtype: str, with_middle: bool):
-        prepare = module(package, "models.prepare", "prepare")
-        models = module(package, "models.loading", "models")
-        benchmarks = module(package, "evaluation.benchmarks", "benchmarks")
-        root = prepare.cache_root()
-        for name in (TARGET, MIDDLE):
-            if not (root / name / prepare.MARKER_NAME).is_file():
-                raise SystemExit(f"{root / name} is not prepared yet: run `treegraft prepare-models` first")
-        target = models.load_model(str(root / TARGET), "cpu", dtype)
-        self.tokenizer = target.tokenizer
-        self.target = target.lm.model
-        middle = load_middle(models, str(root / MIDDLE), dtype, target.tokenizer) if with_middle else None
-        self.middle = middle.lm.model if middle is not None else None
-        # The drafting head over the draft vocabulary lives on the loader's wrapper: revisions that have one
-        # take it over (a revision's own wrapper is built around the same model).
-        self.draft_head = {k: getattr(middle.lm, k) for k in ("draft_vocab", "_draft_head")
-                           if middle is not None and hasattr(middle.lm, k)}
-        self.prompts = {}
-        for name in benchmarks.BENCHMARKS:
-            question = benchmarks.builtin(name)[0]
-            self.prompts[name] = benchmarks.chat_prompt(self.tokenizer, [question.turns[0]], [])
-
-
-class Revision:
-    """One revision's decoding code over the shared models; hashes every tree its target verifies."""
-
-    def __init__(self, rev: str, package: str, models: Models):
-        self.rev = rev
-        self.models = models
-        hf = module(package, "models.hf", "hf")
-        self.engine = module(package, "decoding.engine", "engine")
-        self.config = module(package, "decoding.config", "config")
-        self.target = hf.CausalLM(models.target)
-        self.middle = hf.CausalLM(models.middle) if models.middle is not None else None
-        for k, v in models.draft_head.items():
-            if self.middle is not None and hasattr(self.middle, k):
-                setattr(self.middle, k, v)
-        self.digest = hashlib.sha1()
-        verify = module(package, "decoding.verify", "verify")
-        original = verify.TargetVerifier.verify
-
-        def verify_and_hash(verifier, tree):
-            self.digest.update(tree.tokens[: tree.size].tobytes())
-            self.digest.update(tree.parents[: tree.size].tobytes())
-            return original(verifier, tree)
-
-        verify.TargetVerifier.verify = verify_and_hash
-
-    def decode(self, bench: str, method: str, budget: int, new_tokens: int) -> dict:
-        prompt = self.models.prompts[bench]
-        if method == GENERATE:
-            return hf_generate(self.models.target, prompt, new_tokens)
-        self.digest = hashlib.sha1()
-        decoder = self.engine.Decoder(self.target, self.middle, self.config.TreeConfig(budget=budget))
-        gen = decoder.generate(prompt, new_tokens, method)
-        s = gen.stats
-        return {"tokens": gen.tokens, "wall_s": s.wall_s, "rounds": s.rounds, "seconds": dict(s.seconds),
-                "accepted": s.accepted, "trees": self.digest.hexdigest()}
-
-
-def hf_generate(model, prompt: list[int], new_tokens: int) -> dict:
-    """transformers' greedy generate; its prefill (with the first token) is timed as a 1-token generate,
-    so that the per-token decoding time compares with ours."""
-    ids = torch.tensor([prompt])
-
-    def generate(n):
-        t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-        return out[0, len(prompt):].tolist(), time.perf_counter() - t
-
-    _, prefill = generate(1)
-    tokens, wall = generate(new_tokens)
-    return {"tokens": tokens, "wall_s": wall, "rounds": new_tokens - 1, "seconds": {"prefill": prefill},
-            "accepted": [], "trees": ""}
-
-
-def load_revisions(revs: list[str], dtype: str, with_middle: bool) -> list[Revision]:
-    """The revisions, over models loaded once; their packages stay on disk until the process exits (a
-    function may import a module late)."""
-    scratch = Path(tempfile.mkdtemp(prefix="bench-round-"))
-    atexit.register(shutil.rmtree, scratch, True)
-    packages = [import_revision(rev, scratch) for rev in revs]
-    models = Models(packages[0], dtype, with_middle)
-    return [Revision(rev, package, models) for rev, package in zip(revs, packages)]
+from jobs.bench.common import GENERATE, PHASES, load_revisions, per_round_ms
 
 
 # -- reports ------------------------------------------------------------------------------------------
-
-def per_round_ms(r: dict) -> dict[str, float]:
-    """ms per round of each phase, the prefill per request; `round` = (wall - prefill) / rounds."""
-    rounds = max(r["rounds"], 1)
-    out = {p: 1e3 * r["seconds"].get(p, 0.0) / (1 if p == "prefill" else rounds) for p in PHASES}
-    out["round"] = 1e3 * (r["wall_s"] - r["seconds"].get("prefill", 0.0)) / rounds
-    return out
-
 
 def same_as(r: dict, ref: dict) -> bool:
     return r["tokens"] == ref["tokens"] and r["accepted"] == ref["accepted"] and r["trees"] == ref["trees"]

@@ -7,8 +7,8 @@ across the prompts (as a server's would); an untimed request on a prompt outside
 everything up first. Prints per benchmark the tokens/s ratio over `ar`, the accepted tokens per round and
 the mean tree size, then the mean over benchmarks; every output is checked against `ar`'s.
 
-    python jobs/bench_sizing.py                                # all-small: budgets 8,16 vs sized up to 32,64
-    python jobs/bench_sizing.py --method 01000 --fixed 16 --sized 32
+    python -m jobs.bench.sizing                                # all-small: budgets 8,16 vs sized up to 32,64
+    python -m jobs.bench.sizing --method 01000 --fixed 16 --sized 32
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from treegraft_dist.decoding.config import TreeConfig  # noqa: E402
-from treegraft_dist.decoding.costs import latency_profile  # noqa: E402
-from treegraft_dist.decoding.engine import Decoder  # noqa: E402
-from treegraft_dist.decoding.sizing import TreeSizer  # noqa: E402
-from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt  # noqa: E402
-from treegraft_dist.models.loading import load_model  # noqa: E402
-from treegraft_dist.models.prepare import cache_root  # noqa: E402
+from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.costs import latency_profile
+from treegraft_dist.decoding.engine import Decoder
+from treegraft_dist.decoding.sizing import TreeSizer
+from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
+from treegraft_dist.models.loading import load_model
+from treegraft_dist.models.paths import cache_root
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 MIDDLE = "qwen2.5-coder-0.5b-instruct"
