@@ -1,5 +1,5 @@
 """Drafters as actors: one host actor holds a drafter per in-flight request, and client-side proxies
-speak the `Drafter` protocol, so the engine's own round loop drives them unchanged.
+speak the `Drafter` protocol (decoding/drafter.py), so the engine's own round loop drives them unchanged.
 
 The n-gram host also runs the request's schedule: `RoundDrafter` has it draft every n-gram layer between two
 middle calls, with the scheduler's decisions, in one actor call (an n-gram step costs well under the ~1 ms of
@@ -149,6 +149,9 @@ class RemoteDrafter:
     and `prefetch` only enqueue (actor calls from one caller run in order, so the next step sees them).
     A wait longer than `timeout_s` raises GetTimeoutError, which its FallbackDrafter takes as the actor's
     death (a stuck actor is replaced as a dead one is)."""
+
+    alive = True  # as far as it knows: a call to a dead actor raises, and its FallbackDrafter takes over
+    fallback_steps = 0
 
     def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None, timeout_s: float | None = None):
         self.host = host

@@ -343,12 +343,12 @@ class TestFaultsStayWithTheirRequest:
         wait_for(lambda: engine.health()["running"] >= 1, what="a request running")
 
         def hold(c, seconds=10.0):  # as a request (or a slow path) holding the coordinator's locks
-            with c._lock, c._kv:
+            with c.streams.lock, c.life.lock, c.load.lock, c.admission.cond:
                 time.sleep(seconds)
 
         held = engine.coordinator.__ray_call__.remote(hold)
         locked = engine.coordinator.__ray_call__.remote
-        wait_for(lambda: ray.get(locked(lambda c: c._lock.locked())), what="the locks held")
+        wait_for(lambda: ray.get(locked(lambda c: c.load.lock.locked())), what="the locks held")
         for _ in range(3):
             t = time.monotonic()
             h = engine.health(timeout_s=5.0)
@@ -402,7 +402,7 @@ PROMPT = 12
 
 
 def kv_tokens(max_new: int) -> int:
-    """What admission reserves for a request (Coordinator._admit): twice its cache."""
+    """What admission reserves for a request (Admission.admit): twice its cache."""
     return 2 * (PROMPT + max_new + TREE.max_tree_depth + 1)
 
 

@@ -13,6 +13,7 @@ from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder, draft_tree, speculate
 from treegraft_dist.decoding.neural import NeuralDrafter
 from treegraft_dist.decoding.ngram import NGramDrafter
+from treegraft_dist.decoding.request import round_config, start_request
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import ReplaySchedule, fixed_schedule
 from treegraft_dist.decoding.signals import NUM_SIGNALS, Timings
@@ -233,28 +234,35 @@ def test_plain_step_rounds_tell_the_drafters_once_and_stay_exact(method):
         rng = random.Random(seed)
         sizes = iter([rng.choice([1, 1, 1, 2, 8]) for _ in range(100)])
         verifier = TargetVerifier(target, SamplingParams())
-        first, prefill = verifier.prefill(prompt)
-        ngram, middle = NGramDrafter.from_config(cfg), NeuralDrafter(mid, cfg.top_k, cfg.lookback)
         accepts = []
 
         class Counted:
+            """A drafter that records how many tokens each accept tells it."""
+
             def __init__(self, d):
-                self.d = d
+                self.d, self.origin, self.alive, self.fallback_steps = d, d.origin, True, 0
 
             def start(self, p, c):
                 self.d.start(p, c)
+
+            def step(self, tree, frontier, layer):
+                return self.d.step(tree, frontier, layer)
 
             def accept(self, path, tokens):
                 accepts.append(len(tokens))
                 self.d.accept(path, tokens)
 
-        drafters = [Counted(ngram), Counted(middle)]
-        for d in drafters:
-            d.start(prompt, prefill)
-            d.accept([], [first])
-        stats, timer = RequestStats(method), PhaseTimer(RequestStats("t"))
-        out = speculate(first, cfg, fixed_schedule(method, cfg.depth), ngram, middle, drafters, verifier.verify,
-                        timer, stats, None, 40, set(), budget=lambda: next(sizes))
+            def release(self):
+                self.d.release()
+
+        def drafters(req):
+            return (Counted(NGramDrafter.from_config(req.cfg)),
+                    Counted(NeuralDrafter(mid, req.cfg.top_k, req.cfg.lookback)))
+
+        req = start_request(prompt, 40, set(), fixed_schedule(method, cfg.depth), cfg,
+                            timings=lambda: Timings(100.0, 25.0), prefill=verifier.prefill, drafters=drafters)
+        out = speculate(req, verifier.verify, budget=lambda: next(sizes))
+        stats = req.stats
         assert out[:40] == hf_greedy(target, prompt, 40)
         assert 1 in stats.tree_sizes and 2 in stats.tree_sizes
         # start's accept, then per drafting round its own and, when plain steps came before it, one for them;
@@ -301,7 +309,6 @@ def test_deepening_stops_where_a_middle_call_costs_more_than_it_adds():
 def test_deepening_cost_comes_from_the_measured_timings():
     target, mid = pair("qwen3", "close")
     dec = Decoder(target, mid, TreeConfig(deepen=3), timings=Timings(100.0, 25.0))
-    from treegraft_dist.decoding.engine import round_config
     assert round_config(dec.cfg, dec.resolve_policy("all-mid"), lambda: dec.timings).deepen_cost == 0.25
     # A schedule that never calls the middle drafter has nothing to deepen with, and needs no timings.
     assert round_config(dec.cfg, dec.resolve_policy("all-small"), lambda: 1 / 0).deepen_cost is None

@@ -1,13 +1,12 @@
 """The decoding loop: draft a tree with two drafters under a schedule, prune, verify, repeat.
 
-`speculate` (the rounds) and `draft_tree` (one round's drafting) take the drafters and the verifier as plain
-objects, so the same loop drives in-process components here and remote ones in the coordinator
-(actors/coordinator.py).
+`speculate` (the rounds of a request `request.start_request` started) and `draft_tree` (one round's drafting)
+take the drafters (any `drafter.Drafter`) and the verifier as plain objects, so the same loop drives in-process
+components here and remote ones in the coordinator (actors/coordinator.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import time
 from dataclasses import dataclass
@@ -20,23 +19,30 @@ from ..models.hf import CausalLM
 from .batch import input_vocab
 from .config import TreeConfig
 from .costs import forward_ms
+from .drafter import Drafter
 from .neural import NeuralDrafter
-from .ngram import NGramDrafter, PrefillCache
+from .ngram import NGramDrafter
+from .request import (
+    DeepeningCalibration,
+    Generation,
+    Request,
+    finish,
+    finish_request,
+    may_call_middle,
+    start_request,
+    truncate,  # noqa: F401  (callers import it from here, to cut tokens as the engine does)
+    until_eos,
+)
 from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
-from .signals import READ_BLOCK, Timings, compute_signals, context_signals
+from .signals import READ_BLOCK, Timings, compute_signals
 from .sizing import DraftingMeans, LoadBudget, Reading, TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
 
 AR_METHOD = "ar"
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # generated ids only
-    stats: RequestStats
+DraftRound = Callable[[int, tuple[int, ...]], tuple[DraftTree, list[bool]]]  # draft(root, budgets) -> (tree, calls)
 
 
 def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
@@ -74,30 +80,6 @@ def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, l
     pattern = getattr(policy, "pattern", None)  # only a fixed schedule tells its later layers in advance
     return (not has_middle or (cfg.call_budget is not None and sum(calls) >= cfg.call_budget)
             or (pattern is not None and "1" not in pattern[layer:]))
-
-
-# Pseudo-tokens at face value in the deepening calibration: a few verified deepening nodes already move it.
-DEEPEN_PRIOR = 2.0
-DEEPEN_MIN_CALIBRATION = 0.05
-
-
-class DeepeningCalibration:
-    """How far the middle drafter's confidence past the depth holds, across an engine's requests: what the
-    verified nodes of deepening layers were expected to give (their drafter path probabilities) against what the
-    target accepted of them. A drafter's probabilities run high (it is sure of paths the target leaves), so
-    deepening weighs its gain at this ratio (round_config prices a middle call the more, the lower it is)."""
-
-    def __init__(self):
-        self.expected = 0.0
-        self.accepted = 0.0
-
-    def observe(self, stats: RequestStats) -> None:
-        self.expected += stats.deep_expected
-        self.accepted += stats.deep_accepted
-
-    @property
-    def ratio(self) -> float:
-        return max(DEEPEN_MIN_CALIBRATION, (self.accepted + DEEPEN_PRIOR) / (self.expected + DEEPEN_PRIOR))
 
 
 def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
@@ -150,7 +132,7 @@ class Drafting:
 
 
 def draft_tree(
-    root: int, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
+    root: int, cfg: TreeConfig, policy: SchedulePolicy, ngram: Drafter, middle: Drafter | None, timer: PhaseTimer,
     context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
     budgets: tuple[int, ...] = (),
 ) -> tuple[DraftTree, list[bool]]:
@@ -165,8 +147,9 @@ def draft_tree(
 
 
 def draft_layers(
-    state: Drafting, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, timer: PhaseTimer,
-    context: np.ndarray | None, budgets: tuple[int, ...] = (), has_middle: bool | None = None,  # context: [4]
+    state: Drafting, cfg: TreeConfig, policy: SchedulePolicy, ngram: Drafter | None, middle: Drafter | None,
+    timer: PhaseTimer, context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
+    budgets: tuple[int, ...] = (), has_middle: bool | None = None,
 ) -> str | None:
     """Draft the layers of `state` from its next one on (draft_tree); returns None once the round's
     drafting is done. A drafter given as None is one the caller drafts with elsewhere: drafting stops before
@@ -199,7 +182,7 @@ def draft_layers(
     return None
 
 
-def draft_layer(state: Drafting, drafter, top_k: int, call: bool) -> None:
+def draft_layer(state: Drafting, drafter: Drafter, top_k: int, call: bool) -> None:
     """One layer: `drafter` proposes from the frontier, the proposal is grafted, the frontier moves on."""
     proposal = drafter.step(state.tree, state.frontier, state.layer + 1)
     ids = state.tree.graft(proposal, state.layer + 1)
@@ -265,60 +248,49 @@ class Decoder:
                             max_new, eos, device=self.target.device)
 
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
-        cfg = round_config(self.cfg, policy, lambda: self.timings, self.deepening)
-        stats = RequestStats(policy.name, prompt_tokens=len(prompt))
-        context = context_signals(len(prompt), self.timings) if policy.needs_signals else None
-        timer = PhaseTimer(stats, self.target.device)
+        req = start_request(prompt, max_new, eos, policy, self.cfg, timings=lambda: self.timings,
+                            prefill=verifier.prefill, drafters=self._drafters, calibration=self.deepening,
+                            device=self.target.device, sizer=self.sizer, probe_budgets=self.probe_budgets)
         out: list[int] = []
         if max_new:
-            with timer.phase("prefill"):
-                first, prefill = verifier.prefill(prompt)
-            ngram = NGramDrafter.from_config(cfg)
-            middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback) if self.middle is not None else None
-            drafters = [d for d in (ngram, middle) if d is not None]
-            start_drafters(drafters, prompt, prefill, first)
             budget, draft = None, None
             if self.alone is not None and self.sizer is None and not self.probe_budgets and self.sampling.greedy:
-                payoff, spent = self.drafting.start(policy.name)
+                budget, draft = self._paced(req)
+            out = speculate(req, verifier.verify, draft=draft, budget=budget)
+        return finish_request(req, out)
 
-                def budget() -> int:  # the budget while drafting pays, else plain steps and exploring rounds
-                    done = 1 + sum(stats.accepted)
-                    reading = Reading(len(prompt) + done, max_new - done, self.timings.read_ms)
-                    return self.alone(1, self.drafting.update(stats, payoff, spent), payoff, reading)
+    def _drafters(self, req: Request) -> tuple[NGramDrafter, NeuralDrafter | None]:
+        """A request's drafters: the n-gram drafter and, when a middle model is loaded, the neural one."""
+        middle = NeuralDrafter(self.middle, req.cfg.top_k, req.cfg.lookback) if self.middle is not None else None
+        return NGramDrafter.from_config(req.cfg), middle
 
-                def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
-                    live = middle if payoff.middle else None  # an exploring round: the n-gram drafter alone
-                    return draft_tree(root, cfg, policy, ngram, live, timer, context, settle)
+    def _paced(self, req: Request) -> tuple[Callable[[], int], DraftRound]:
+        """`budget` and `draft` for speculate where a round drafts only while drafting pays for the request
+        (verify_ms given): the budget while it pays, else plain steps and exploring rounds."""
+        payoff, spent = self.drafting.start(req.policy.name)
 
-            out = speculate(first, cfg, policy, ngram, middle, drafters, verifier.verify, timer, stats, context,
-                            max_new, eos, sizer=self.sizer, probe_budgets=self.probe_budgets, draft=draft,
-                            budget=budget)
-        self.deepening.observe(stats)
-        return finish(out, stats, timer, max_new, eos)
+        def budget() -> int:
+            done = 1 + sum(req.stats.accepted)
+            reading = Reading(len(req.prompt) + done, req.max_new - done, self.timings.read_ms)
+            return self.alone(1, self.drafting.update(req.stats, payoff, spent), payoff, reading)
 
+        def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
+            live = req.middle if payoff.middle else None  # an exploring round: the n-gram drafter alone
+            return draft_tree(root, req.cfg, req.policy, req.ngram, live, req.timer, req.context, settle)
 
-def start_drafters(drafters: list, prompt: list[int], prefill: PrefillCache | None, first: int) -> None:
-    """Every drafter reads the prompt (and the target's prefill cache) and the first token prefill gave."""
-    for d in drafters:
-        d.start(prompt, prefill)
-        d.accept([], [first])
+        return budget, draft
 
 
 def speculate(
-    first: int, cfg: TreeConfig, policy: SchedulePolicy, ngram, middle, drafters: list,
-    verify: Callable[[DraftTree], Verdict], timer: PhaseTimer, stats: RequestStats,
-    context: np.ndarray | None,  # [4] context signals; needed when the policy reads signals
-    max_new: int, eos: set[int], *, sizer: TreeSizer | None = None, probe_budgets: tuple[int, ...] = (),
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
-    draft: Callable[[int, tuple[int, ...]], tuple[DraftTree, list[bool]]] | None = None,
-    budget: Callable[[], int] | None = None,
+    req: Request, verify: Callable[[DraftTree], Verdict], *, draft: DraftRound | None = None,
+    budget: Callable[[], int] | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> list[int]:
-    """The rounds of one request after its prefill, the same whether its parts run in this process or as
-    actors: draft a tree, prune it to the budget (or let `sizer` choose it), verify it with `verify`, and
-    let every drafter accept the result; until `max_new` tokens or end of sequence. Returns the tokens,
-    `first` included (finish truncates them).
+    """The rounds of a started request (request.start_request), the same whether its parts run in this process
+    or as actors: draft a tree, prune it to the budget (or let `req.sizer` choose it), verify it with `verify`,
+    and let every drafter accept the result; until `req.max_new` tokens or end of sequence. Returns the tokens,
+    `req.first` included (finish_request truncates them).
 
-    A middle drafter whose `alive` is False is left out of later rounds; one that answered some steps with
+    A middle drafter that is no longer `alive` is left out of later rounds; one that answered some steps with
     n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(out)` is
     shown the tokens so far (before truncation) at the start and after each round; when it returns True
     the request ends there (a client went away, a stop string was met). `draft(root, budgets) -> (tree,
@@ -327,28 +299,32 @@ def speculate(
     coordinator's, under load). A round of size 1 is a plain step: nothing is drafted, and the drafters hear
     of its token only when a later round drafts (one accept for the whole run of steps, which is what they
     would have built from one accept each), so under load a speculative request costs what a plain one does."""
-    out = [first]
+    if req.first is None:
+        raise ValueError("the request asked for no tokens, so it has no prefill to speculate from: finish it "
+                         "(finish_request) without rounds")
+    cfg, middle, sizer, stats, eos = req.cfg, req.middle, req.sizer, req.stats, req.eos
+    out = [req.first]
     stop = on_tokens is not None and on_tokens(out)
     if sizer is not None:
         sizer.start_request()
     if draft is None:
         def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
-            live = middle if middle is not None and getattr(middle, "alive", True) else None
-            return draft_tree(root, cfg, policy, ngram, live, timer, context, settle)
+            live = middle if middle is not None and middle.alive else None
+            return draft_tree(root, cfg, req.policy, req.ngram, live, req.timer, req.context, settle)
     unseen: list[int] = []  # tokens of plain-step rounds the drafters have not been told yet
-    while len(out) < max_new and out[-1] not in eos and not stop:
+    while len(out) < req.max_new and out[-1] not in eos and not stop:
         keep = cfg.budget if budget is None else budget()
         plain = keep == 1 and sizer is None  # the root alone is verified: a plain step, nothing to draft
         if not plain and unseen:
-            for d in drafters:  # one accept for a run of plain steps: the drafters drafted nothing in them
+            for d in req.drafters:  # one accept for a run of plain steps: the drafters drafted nothing in them
                 d.accept([0], unseen)
             unseen = []
-        started, fell_back = time.perf_counter(), getattr(middle, "fallback_steps", 0)
+        started, fell_back = time.perf_counter(), req.middle_fallback_steps
         # A sizer ranks nodes by its own estimate, not by score: every layer may matter to it.
-        settle = () if sizer is not None else (keep,) + probe_budgets
+        settle = () if sizer is not None else (keep,) + req.probe_budgets
         tree, calls = (DraftTree(out[-1]), []) if plain else draft(out[-1], settle)
         pruned, kept = choose_nodes(tree, keep, sizer, started)
-        with timer.phase("verify"):
+        with req.timer.phase("verify"):
             verdict = verify(pruned)
         if sizer is not None:
             sizer.observe(tree, kept, verdict.accepted)
@@ -357,15 +333,15 @@ def speculate(
         if plain:  # told at the next round that drafts (no actor message, no work, per plain step)
             unseen.extend(verdict.tokens)
         else:
-            for d in drafters:
+            for d in req.drafters:
                 d.accept([0] + [int(kept[i]) for i in verdict.accepted], verdict.tokens)
         accepted = until_eos(verdict.tokens, eos)  # a round can accept eos before its last token
         out.extend(accepted)
-        called = sum(calls) - (getattr(middle, "fallback_steps", 0) - fell_back)
-        record_round(stats, tree, pruned.size, verdict, len(accepted), called, probe_budgets)
+        called = sum(calls) - (req.middle_fallback_steps - fell_back)
+        record_round(stats, tree, pruned.size, verdict, len(accepted), called, req.probe_budgets)
         stop = on_tokens is not None and on_tokens(out)
     if unseen:  # the last rounds were plain steps: the drafters end with the whole text (a served history keeps it)
-        for d in drafters:
+        for d in req.drafters:
             d.accept([0], unseen)
     return out
 
@@ -402,15 +378,6 @@ def record_round(stats: RequestStats, tree: DraftTree, verified: int, verdict: V
         stats.accepted_at_budget.setdefault(b, []).append(hit + 1)
 
 
-def finish(out: list[int], stats: RequestStats, timer: PhaseTimer, max_new: int, eos: set[int]) -> Generation:
-    """The request's tokens cut as plain decoding stops, with its round counts and phase times closed."""
-    out = truncate(out, max_new, eos)
-    stats.rounds = len(stats.accepted)
-    stats.new_tokens = len(out)
-    timer.finish()
-    return Generation(out, stats)
-
-
 def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt: list[int], max_new: int,
                  eos: set[int], on_tokens: Callable[[list[int]], bool | None] | None = None,
                  device: torch.device | None = None) -> Generation:
@@ -433,32 +400,7 @@ def decode_plain(prefill: Callable[[list[int]], int], step: Callable[[int], int]
                 stats.accepted.append(1)
                 stats.tree_sizes.append(1)
                 stats.middle_calls.append(0)
-    stats.rounds = len(stats.accepted)
-    stats.new_tokens = len(out)
-    timer.finish()
-    return Generation(out, stats)
-
-
-def default_call_budget(timings: Timings) -> int:
-    """b0 = floor(T_tgt / T_mid): middle calls that fit in one verification's time."""
-    return max(0, int(timings.t_tgt_ms // timings.t_mid_ms))
-
-
-def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], Timings],
-                 calibration: DeepeningCalibration | None = None) -> TreeConfig:
-    """The tree settings a request runs with: a policy marked `budgeted` (the learned scheduler, the value
-    planner) gets a per-round call budget unless the config sets one: the cap it was fitted with at this
-    budget (`policy.call_cap_at`), else b0 = floor(T_tgt / T_mid) from this engine's timings. A policy that
-    may call the middle drafter deepens its rounds (cfg.deepen) at the cost of a middle call against a target
-    pass measured here, over how far the middle drafter's confidence past the depth has held (`calibration`)."""
-    if cfg.deepen and cfg.deepen_cost is None and may_call_middle(policy):
-        t = timings()
-        ratio = calibration.ratio if calibration else 1.0
-        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / ratio)
-    if cfg.call_budget is not None or not getattr(policy, "budgeted", False):
-        return cfg
-    fitted = policy.call_cap_at(cfg.budget) if hasattr(policy, "call_cap_at") else None
-    return dataclasses.replace(cfg, call_budget=fitted if fitted is not None else default_call_budget(timings()))
+    return finish(out, stats, timer, max_new, eos)  # nothing to cut: the loop stops where plain decoding does
 
 
 def check_request(prompt: list[int], max_new_tokens: int, seed: int = 0, vocab_size: int | None = None,
@@ -489,21 +431,3 @@ def resolve_policy(method, depth: int, has_middle: bool) -> SchedulePolicy:
     if not has_middle and may_call_middle(policy):
         raise ValueError(f"method {policy.name!r} calls the middle drafter, but none is loaded: pass a middle model")
     return policy
-
-
-def may_call_middle(policy: SchedulePolicy) -> bool:
-    """False only for a fixed schedule without a middle layer: then the middle drafter can stay idle."""
-    return "1" in getattr(policy, "pattern", "1")
-
-
-def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """`tokens` up to and including the first end-of-sequence token."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-def truncate(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """Cut at max_new tokens and after the first end-of-sequence token, as plain decoding stops."""
-    return until_eos(tokens[:max_new], eos)

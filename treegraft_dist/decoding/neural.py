@@ -46,6 +46,8 @@ class DrafterState:
 
 class NeuralDrafter:
     origin = ORIGIN_MIDDLE
+    alive = True  # in process: never gone (drafter.Drafter)
+    fallback_steps = 0
 
     def __init__(self, lm: CausalLM, top_k: int = 10, lookback: int = 5):
         self.lm = lm
@@ -130,6 +132,9 @@ class NeuralDrafter:
             self.committed += len(keep)
         self.context.extend(tokens)
         self._new_round()
+
+    def release(self) -> None:
+        """Nothing to free: the next `start` forgets this request (and replaces its cache)."""
 
     def _grow(self, n: int) -> None:
         if len(self.slot) < n:

@@ -221,6 +221,8 @@ class NGramDrafter:
     """
 
     origin = ORIGIN_NGRAM
+    alive = True  # in process: never gone (drafter.Drafter)
+    fallback_steps = 0
 
     def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0,
                  history: HistoryIndex | None = None):
@@ -245,6 +247,9 @@ class NGramDrafter:
 
     def accept(self, path: list[int], tokens: list[int]) -> None:
         self.index.extend(tokens)
+
+    def release(self) -> None:
+        """Nothing to free: the next `start` forgets this request."""
 
     def _logprob(self, position: int, token: int) -> float:
         return 0.0 if self.prefill is None else self.prefill.logprob(position, token)

@@ -1,0 +1,90 @@
+"""The drafter actors' life: started in the control placement group, watched, restarted when they die.
+
+One `DrafterHost` actor per kind (n-gram on CPU; the middle drafter, when there is one, on its own device).
+Each has a `watch` call in flight that resolves only when the actor dies, so a death between requests is
+seen without a call in the requests' way (`replace_dead`); a death a request meets (`ngram_died`,
+`middle_died`, from its FallbackDrafter) restarts the actor for later requests, while the request in flight
+finishes on n-gram drafting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from treegraft_dist.decoding.config import TreeConfig
+
+from .drafters import DrafterHost, NeuralSpec, NGramSpec
+from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
+
+log = logging.getLogger(__name__)
+
+
+class DrafterActors:
+    def __init__(self, cfg: TreeConfig, res: Resources, middle_path: str | None, dtype: str, control_pg):
+        self.cfg, self.res, self.middle_path, self.dtype, self.control_pg = cfg, res, middle_path, dtype, control_pg
+        self.lock = threading.Lock()  # restarts only: never held across a remote call that waits
+        self.ngram_host = None
+        self.middle_host = None
+        self._watches: dict[int, ray.ObjectRef] = {}  # bundle -> its drafter actor's DrafterHost.watch call
+
+    def spawn(self) -> None:
+        """Start the actors (they load their models meanwhile: `wait_ready`)."""
+        self.ngram_host = self._spawn_ngram()
+        if self.middle_path is not None:
+            self.middle_host = self._spawn_middle()
+
+    def wait_ready(self) -> None:
+        ray.get([h.ready.remote() for h in self.hosts()], timeout=self.res.load_timeout_s)
+
+    def hosts(self) -> list:
+        return [h for h in (self.ngram_host, self.middle_host) if h is not None]
+
+    def shutdown(self) -> None:
+        for h in self.hosts():
+            ray.kill(h, no_restart=True)
+
+    def replace_dead(self) -> None:
+        """Restart a drafter actor that died since the last request began: with no request in flight on it,
+        nothing else notices, and the next request would draft without it."""
+        for bundle, host, died in ((NGRAM_BUNDLE, self.ngram_host, self.ngram_died),
+                                   (MIDDLE_BUNDLE, self.middle_host, self.middle_died)):
+            if host is not None and ray.wait([self._watches[bundle]], timeout=0)[0]:
+                log.warning("the %s drafter actor died between requests; restarting it",
+                            "n-gram" if bundle == NGRAM_BUNDLE else "middle")
+                died(host)
+
+    def middle_died(self, host) -> None:
+        """Restart the middle drafter for later requests (requests in flight finish on n-gram drafting)."""
+        with self.lock:
+            if host is self.middle_host:
+                ray.kill(host, no_restart=True)
+                self.middle_host = self._spawn_middle()
+
+    def ngram_died(self, host) -> None:
+        """Restart the n-gram drafter for later requests (requests in flight draft n-grams here)."""
+        with self.lock:
+            if host is self.ngram_host:
+                ray.kill(host, no_restart=True)
+                self.ngram_host = self._spawn_ngram()
+
+    def _host(self, spec, bundle: int, cpus: float, gpus: float, device: str):
+        strategy = PlacementGroupSchedulingStrategy(self.control_pg, placement_group_bundle_index=bundle)
+        host = ray.remote(concurrency_groups={"watch": 1})(DrafterHost).options(
+            num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy).remote(
+            spec, device, self.res.torch_threads)
+        self._watches[bundle] = host.watch.remote()
+        return host
+
+    def _spawn_middle(self):
+        spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback)
+        return self._host(spec, MIDDLE_BUNDLE, self.res.middle_cpus, self.res.middle_gpus, self.res.device)
+
+    def _spawn_ngram(self):
+        cfg = self.cfg
+        return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain,
+                                    self.res.history_tokens), NGRAM_BUNDLE,
+                          self.res.ngram_cpus, 0, "cpu")
