@@ -33,7 +33,7 @@ import torch
 
 from actors.engine import DistributedEngine
 from actors.resources import for_device
-from jobs.bench.common import bench_prompts, pair_paths, served_default
+from jobs.bench.common import bench_prompts, pair_paths, served_default, start_ray
 from treegraft_dist.decoding.config import TreeConfig
 
 
@@ -102,8 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    start_ray()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         t_path, m_path, tok = pair_paths(args.pair, d)

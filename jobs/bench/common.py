@@ -35,6 +35,20 @@ HEAD_NAMES = ("draft_head", "_draft_head")
 PREFILL_TOP_K = 10  # the target's top-k stored per prompt position during prefill
 
 
+def start_ray(num_cpus: int = 2, object_store_mb: int = 300, **kwargs) -> None:
+    """The local Ray cluster a served benchmark runs on: no dashboard, the workers' logs kept out of the tables."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024**2, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False, **kwargs)
+
+
+def embedded_paths() -> tuple[Path, Path]:
+    """The embedded target's and middle drafter's folders in the model cache (`make eval` prepares them)."""
+    root = cache_root()
+    return root / TARGET, root / MIDDLE
+
+
 def tests_on_path() -> None:
     """Make the test suite's helpers importable (tests/tiny.py: the tiny random pair; tests/localserve.py: serve.yaml's
     application on it), as pytest's conftest does: the `--pair tiny` runs borrow them."""

@@ -25,7 +25,7 @@ import torch
 
 from actors.engine import DistributedEngine
 from actors.resources import Resources
-from jobs.bench.common import tests_on_path
+from jobs.bench.common import start_ray, tests_on_path
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.models.hf import CausalLM
@@ -69,8 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     schedules = args.schedules.split(",")
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, num_gpus=8, object_store_memory=200 * 1024**2, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
+    start_ray(num_gpus=8, object_store_mb=200)
     if args.pair == "embedded":
         embedded_pair(args, schedules)
         return

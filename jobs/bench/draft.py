@@ -20,15 +20,12 @@ import sys
 
 import torch
 
+from jobs.bench.common import embedded_paths
 from treegraft_dist.models import draft, kernels
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.models.loading import load_model
-from treegraft_dist.models.paths import cache_root
-
-TARGET = "qwen2.5-coder-1.5b-instruct"
-MIDDLE = "qwen2.5-coder-0.5b-instruct"
 
 
 def main() -> None:
@@ -40,17 +37,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
-    root = cache_root()
-    target = load_model(str(root / TARGET), "cpu", args.dtype)
+    target_dir, middle_dir = embedded_paths()
+    target = load_model(str(target_dir), "cpu", args.dtype)
     cheap_vocab = target.lm.draft_vocab.numpy() if target.lm.draft_vocab is not None else None
     os.environ[kernels.INT8_ENV] = "off"
     os.environ[draft.VOCAB_ENV] = "0"
     kernels.int8_choice.cache_clear()
-    full = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True).lm
+    full = load_model(str(middle_dir), "cpu", args.dtype, target.tokenizer, drafter=True).lm
     for env in (kernels.INT8_ENV, draft.VOCAB_ENV):
         del os.environ[env]
     kernels.int8_choice.cache_clear()
-    cheap = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True).lm
+    cheap = load_model(str(middle_dir), "cpu", args.dtype, target.tokenizer, drafter=True).lm
     print(f"full: {draft.describe(full)}; cheap: {draft.describe(cheap)} ({kernels.int8_choice(cheap.dtype).reason})")
     budgets = dict(kv.split("=") for kv in args.budgets.split(",") if kv)
     methods = args.methods.split(",")

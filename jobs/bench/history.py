@@ -28,7 +28,7 @@ import torch
 
 from actors.engine import DistributedEngine
 from actors.resources import for_device
-from jobs.bench.common import pair_paths, pin_kernels, served_default
+from jobs.bench.common import pair_paths, pin_kernels, served_default, start_ray
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.loading import pick_dtype
@@ -53,8 +53,7 @@ def main() -> None:
     # Both engines on the kernels this process's probes pick: each target worker probing on its own can land
     # on a different linear path, and that difference would be read as the history's.
     print(f"dtype {args.dtype}; both engines: {pin_kernels(dtype)}", flush=True)
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    start_ray()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         t_path, m_path, tok = pair_paths(args.pair, d)

@@ -19,13 +19,13 @@ import time
 
 import torch
 
+from jobs.bench.common import embedded_paths
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.evaluation import benchmarks, lossless
-from treegraft_dist.models import hf, kernels, paths
+from treegraft_dist.models import hf, kernels
 from treegraft_dist.models.loading import load_model
 
-TARGET, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 GENERATE = "generate"  # transformers' own greedy generate on the same model
 
 
@@ -62,9 +62,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    root = paths.cache_root()
-    target = load_model(str(root / TARGET), "cpu", args.dtype)
-    middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True)
+    target_dir, middle_dir = embedded_paths()
+    target = load_model(str(target_dir), "cpu", args.dtype)
+    middle = load_model(str(middle_dir), "cpu", args.dtype, target.tokenizer, drafter=True)
     pad = kernels.padding_of(target.lm.model)
     print(f"{kernels.describe(target.lm.dtype, target.lm.model)}\nmiddle row padding: "
           f"{kernels.padding_of(middle.lm.model)}", flush=True)

@@ -46,7 +46,7 @@ import torch
 
 from actors.engine import DistributedEngine
 from actors.resources import for_device
-from jobs.bench.common import bench_prompts, pair_paths, pin_kernels, served_default
+from jobs.bench.common import bench_prompts, pair_paths, pin_kernels, served_default, start_ray
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import AR_METHOD, Decoder
 from treegraft_dist.models import kernels, precision
@@ -132,9 +132,8 @@ def main() -> None:
           flush=True)
     if args.linear != "auto":
         print(f"on both sides: {pin_kernels(dtype, None if args.linear == 'same' else args.linear)}", flush=True)
-    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet ray.init starts
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=300 * 1024**2, include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet start_ray starts
+    start_ray(num_cpus=os.cpu_count())
     res = for_device("cpu", 1)
     if args.served_threads is not None:
         res = dataclasses.replace(res, torch_threads=args.served_threads)

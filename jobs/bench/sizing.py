@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from jobs.bench.common import embedded_paths
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.costs import latency_profile
 from treegraft_dist.decoding.engine import Decoder
@@ -27,9 +28,6 @@ from treegraft_dist.decoding.sizing import TreeSizer
 from treegraft_dist.evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from treegraft_dist.models.loading import load_model
 from treegraft_dist.models.paths import cache_root
-
-TARGET = "qwen2.5-coder-1.5b-instruct"
-MIDDLE = "qwen2.5-coder-0.5b-instruct"
 
 
 def main() -> None:
@@ -42,11 +40,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
-    root = cache_root()
-    target = load_model(str(root / TARGET), "cpu", args.dtype)
-    middle = load_model(str(root / MIDDLE), "cpu", args.dtype, target.tokenizer, drafter=True) if "1" in args.method or \
+    target_dir, middle_dir = embedded_paths()
+    target = load_model(str(target_dir), "cpu", args.dtype)
+    middle = load_model(str(middle_dir), "cpu", args.dtype, target.tokenizer, drafter=True) if "1" in args.method or \
         args.method in ("all-mid", "treegraft") else None
-    costs = latency_profile(target.lm, target.source, root)
+    costs = latency_profile(target.lm, target.source, cache_root())
     print("verification ms by tree size: " + ", ".join(f"{s}: {ms:.0f}" for s, ms in costs.items()))
     mid = middle.lm if middle else None
     variants = {"ar": (Decoder(target.lm), "ar")}
