@@ -186,9 +186,15 @@ def test_later_requests_start_from_what_earlier_ones_measured_and_some_still_exp
         return sizes
 
     assert request(1)[:2] == [8, 8]  # the first request drafts its own first rounds, and they do not pay
+    # Two drafted rounds are too few to trust: each request drafts its own until the means hold TRUST_ROUNDS.
+    while means.by_method["treegraft"]["rounds"] < DraftingMeans.TRUST_ROUNDS:
+        assert request(1)[:2] == [8, 8]
+    while means.by_method["treegraft"]["requests"] % DraftingMeans.EXPLORE_EVERY:
+        assert request(1)[0] == 1  # trusted from here: plain steps from round 1
+    assert request(1)[:2] == [8, 8]  # one request in EXPLORE_EVERY measures again
     later = [request(1) for _ in range(DraftingMeans.EXPLORE_EVERY - 1)]
     assert all(s[0] == 1 and 8 not in s for s in later), later  # the next ones trust that: plain steps from round 1
-    assert request(1)[:2] == [8, 8]  # one request in EXPLORE_EVERY measures again
+    assert request(1)[:2] == [8, 8]
     # Where drafting pays (4 tokens a round for 350 ms against a 100-ms step), the next requests draft at once.
     fresh = DraftingMeans()
     means = fresh
@@ -234,9 +240,9 @@ def test_drafting_only_while_it_pays_equals_target_greedy(middle):
         assert a.tokens == b.tokens == hf_greedy(target, prompt, 40), (middle, prompt)
         plain = a.stats.tree_sizes.count(1)
         assert plain > len(a.stats.tree_sizes) / 2, a.stats.tree_sizes  # mostly plain steps
-        # The first request drafts its first rounds; the next ones trust what it measured (DraftingMeans).
-        first = 2 if i == 0 else 0
-        assert a.stats.tree_sizes[:2] == ([8, 8] if i == 0 else [1, 2]), a.stats.tree_sizes
+        # Each request drafts its own first rounds: the means do not yet hold enough drafted rounds to be trusted.
+        first = 2
+        assert a.stats.tree_sizes[:2] == [8, 8], a.stats.tree_sizes
         # Other drafted rounds explore: 2 nodes (the smallest tree), drafted by the n-gram drafter alone.
         explored = [(s, c) for s, c in zip(a.stats.tree_sizes[first:], a.stats.middle_calls[first:]) if s > 1]
         assert explored and all(s == 2 and c == 0 for s, c in explored), explored

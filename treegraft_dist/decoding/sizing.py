@@ -335,13 +335,16 @@ class DraftingMeans:
     is left out of "ms": it pays the middle drafter's read of the prompt once, a cost no later round repeats
     and no tree size can save.
 
-    Every request but one in EXPLORE_EVERY (the method's first among them) trusts those means from its first
-    round: where they say drafting does not pay, it starts with plain steps and exploring rounds, and drafts
-    as the policy says only once its own text shows drafting pays. The others draft their own first rounds
-    whatever the means say, so the means keep being measured: a verdict taken once (on a busy hour, a run of
-    unpredictable prompts) cannot keep the middle drafter out for good."""
+    Once the means hold TRUST_ROUNDS drafted rounds, every request but one in EXPLORE_EVERY trusts them from
+    its first round: where they say drafting does not pay, it starts with plain steps and exploring rounds,
+    and drafts as the policy says only once its own text shows drafting pays. Before that (a warm-up request of
+    a few tokens, one unpredictable prompt), and for the one in EXPLORE_EVERY, a request drafts its own first
+    rounds whatever the means say, so the means keep being measured: a verdict taken once (on a busy hour, a
+    run of unpredictable prompts, two rounds of one request) cannot keep the middle drafter out for good. A
+    trusted verdict that drafting pays needs no such care: the request's own rounds overrule it within a few."""
 
     EXPLORE_EVERY = 4
+    TRUST_ROUNDS = 8  # drafted rounds behind the means before a request may start from their verdict
 
     def __init__(self):
         self.by_method: dict[str, dict[str, float]] = {}
@@ -351,7 +354,7 @@ class DraftingMeans:
         means = self.by_method.setdefault(method, {})
         seen = means.get("requests", 0)
         means["requests"] = seen + 1
-        trust = seen % self.EXPLORE_EVERY != 0
+        trust = seen % self.EXPLORE_EVERY != 0 and means.get("rounds", 0) >= self.TRUST_ROUNDS
         return Payoff(means.get("accepted"), means.get("size", 0.0), trust), [0.0]
 
     def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
@@ -363,6 +366,7 @@ class DraftingMeans:
             got, size = stats.accepted[-1], stats.tree_sizes[-1]
             means["accepted"] = got if "accepted" not in means else means["accepted"] + 0.1 * (got - means["accepted"])
             means["size"] = size if "size" not in means else means["size"] + 0.1 * (size - means["size"])
+            means["rounds"] = means.get("rounds", 0) + 1
             if payoff.rounds:  # not the request's first drafted round
                 ms = 1e3 * (now - spent[0])
                 means["ms"] = ms if "ms" not in means else means["ms"] + 0.3 * (ms - means["ms"])
