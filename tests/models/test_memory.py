@@ -1,6 +1,9 @@
 """A CPU model loaded for decoding keeps no view of its checkpoint's file mapping (loading.own_memory), so the
 pages its conversion read do not stay resident beside the weights in use."""
 
+import mmap
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,7 @@ from tiny import char_tokenizer, save_tiny, tiny_model
 from treegraft_dist.models import compact, kernels
 from treegraft_dist.models.kernels import LINEAR_ENV
 from treegraft_dist.models.loading import load_model, own_memory
+from treegraft_dist.models.pages import drop_file_pages
 
 
 def mapped(path: str) -> bool:
@@ -72,3 +76,36 @@ def test_stock_linears_read_the_mapping_and_nothing_is_copied_from_it(tmp_path, 
     assert not lm.packed and not lm.compact
     assert mapped(str(tmp_path / "m" / "model.safetensors"))
     assert not lm.model.get_input_embeddings().weight.untyped_storage().resizable()
+
+
+def mapping_rss_kb(path: str) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5 and not line.startswith(("Rss", "Size")):
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                kb += int(line.split()[1])
+    return kb
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_dropped_checkpoint_pages_leave_the_process_and_read_back_from_the_file(tmp_path):
+    """A packed layer's source weight, a view of the mapped checkpoint, stops counting as resident once dropped;
+    the file is untouched (a later read faults the same values back in); torch's own memory is never touched."""
+    values = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: whole pages
+    path = tmp_path / "model.safetensors"
+    values.tofile(path)
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)  # as safetensors maps a checkpoint
+    weight = torch.frombuffer(mapping, dtype=torch.float32)
+    assert torch.equal(weight, torch.from_numpy(values))  # read: every page resident
+    before = mapping_rss_kb(str(path))
+    assert before >= 15 << 10
+    assert drop_file_pages([weight]) >= (16 << 20) - 2 * mmap.PAGESIZE
+    assert mapping_rss_kb(str(path)) < before / 8
+    assert torch.equal(weight[-5:], torch.from_numpy(values[-5:]))  # faulted back in from the file
+    own = torch.arange(1 << 20, dtype=torch.float32)
+    assert drop_file_pages([own]) == 0 and float(own[-1]) == (1 << 20) - 1
+    del weight

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..files import write_json
+from .pages import drop_file_pages
 from .paths import cache_root
 from .precision import best_ms, cpu_model
 
@@ -141,7 +142,10 @@ def pack(model: nn.Module, pad_to: int | None = None) -> int:
             module.packed_weight = reorder(module.weight.detach())
             module.__class__ = PackedLinear
             if module is not head:
-                module.weight = None  # the packed copy replaces it
+                # The packed copy replaces it; where it is a view of the mapped checkpoint, its pages go now,
+                # not when the last layer is packed (pages.py).
+                drop_file_pages([module.weight])
+                module.weight = None
             packed.append(module)
     pad_to = row_padding(packed) if pad_to is None else pad_to
     for module in packed:

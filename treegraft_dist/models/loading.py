@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from . import compact, draft, kernels
 from .hf import CausalLM
+from .pages import drop_file_pages
 from .precision import auto_dtype
 from .prepare import prepare_missing, resolve_model_path
 
@@ -232,10 +233,12 @@ def own_memory(model: torch.nn.Module, skip: set[int] = frozenset()) -> int:
                     seen.add(id(t))
                     if t.untyped_storage().resizable():
                         continue
+                    mapped = t.data
                     if isinstance(t, torch.nn.Parameter):
-                        t.data = t.data.clone()  # the same Parameter: tied weights stay tied
+                        t.data = mapped.clone()  # the same Parameter: tied weights stay tied
                     else:
-                        store[name] = t.clone()
+                        store[name] = mapped.clone()
+                    drop_file_pages([mapped])  # the copy replaces it: its file pages go now (pages.py)
                     copied += t.numel() * t.element_size()
     return copied
 
