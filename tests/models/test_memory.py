@@ -83,9 +83,10 @@ def mapping_rss_kb(path: str) -> int:
     kb, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
-            if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5 and not line.startswith(("Rss", "Size")):
+            key = line.split(maxsplit=1)[0]
+            if not key.endswith(":"):  # a mapping's header line; its fields ("Rss:", ...) follow
                 inside = line.rstrip().endswith(path)
-            elif inside and line.startswith("Rss:"):
+            elif inside and key == "Rss:":
                 kb += int(line.split()[1])
     return kb
 

@@ -50,6 +50,7 @@ def drop_file_pages(tensors: list[torch.Tensor]) -> int:
     (0 off Linux, for CPU tensors torch allocated, and for anything on a GPU)."""
     if sys.platform != "linux" or not tensors:
         return 0
+    # Read afresh each call: a range kept from an earlier call could since hold memory torch allocated.
     ranges = _checkpoint_ranges()
     if not ranges:
         return 0
