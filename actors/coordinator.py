@@ -263,8 +263,11 @@ class Coordinator:
                     middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)
             return ngram, middle
 
+        # The target's top-k log-probs over the prompt only score n-gram drafts. Under load the rounds are plain
+        # steps (LoadBudget): a request admitted beside others does not pay for them in its prefill.
+        scores = not (self.res.adapt_budget and self.admission.active > 1)
         req = start_request(prompt, max_new, eos, policy, self.cfg, timings=lambda: self.timings,
-                            prefill=lambda p: self.batcher.prefill(gen, rid, p, seed, True, sampling),
+                            prefill=lambda p: self.batcher.prefill(gen, rid, p, seed, scores, sampling),
                             drafters=drafters, calibration=self._deepening)
         out: list[int] = []
         if max_new:
@@ -286,7 +289,8 @@ class Coordinator:
             done = 1 + sum(req.stats.accepted)
             reading = None if middle is None else Reading(len(req.prompt) + done, req.max_new - done,
                                                           self.timings.read_ms)
-            size = self.load.round_budget(req.stats, spent, payoff, paced, reading)
+            size = self.load.round_budget(req.stats, spent, payoff, paced, reading,
+                                          0.0 if middle is None else self.timings.t_mid_ms)
             draft.middle_on = payoff.middle
             if prefetch and middle is not None:  # a round without the middle needs no catch-up: leave its actor free
                 middle.prefetch = size > 1 and payoff.middle

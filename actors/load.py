@@ -38,15 +38,17 @@ class LoadBudgeting:
         return self.passes
 
     def round_budget(self, stats: RequestStats, spent: list[float], payoff: Payoff, paced: bool,
-                     reading: Reading | None) -> int:
+                     reading: Reading | None, prior_ms: float = 0.0) -> int:
         """This round's tree size: the budget alone while drafting pays for this request (`payoff`; else plain
         steps and exploring rounds drafted without the middle drafter), smaller as more requests share the
         target's passes. `spent`: the request's drafting seconds so far, as last seen here (DraftingMeans).
         `paced`: Payoff applies (the scheduler's or heuristic's greedy requests). A fixed schedule alone drafts
         every round, as it was asked to (as in `treegraft eval`), and so does a sampled request: Payoff decides
         from timings, and a sampled text must depend on its seed alone. `reading`: where the request stands, to
-        price the middle drafter's read of the context it has not seen (None: no middle drafter)."""
-        drafting_ms = self.drafting.update(stats, payoff, spent)
+        price the middle drafter's read of the context it has not seen (None: no middle drafter). `prior_ms`: a
+        drafted round's milliseconds before the method's rounds measured any (a middle call's, where the policy
+        may call it: a burst of requests that starts on a fresh engine must not take drafting for free)."""
+        drafting_ms = self.drafting.update(stats, payoff, spent, prior_ms)
         lb = self.pass_costs()  # measured by the first round that needs them, unless warm() measured them
         with self.lock:
             while self.batcher.unread:  # what passes really cost, shared as they are

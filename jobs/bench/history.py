@@ -12,8 +12,11 @@ as a server's would, the other keeps nothing between requests). `treegraft` is t
 (for the embedded pair the scheduler fitted for this device, at its budget, which every method verifies at,
 as on the server). Both engines run the linear path and middle int8 choice this process's probes pick. Every output is compared with
 the other engine's (both must equal the target's greedy decoding in fp32; they are the same computation
-with different drafts). Prints a Markdown table per request kind: tokens/s, rounds, accepted tokens a
-round, and the ratio with / without history; `--out` writes the rows.
+with different drafts): where they differ on the same prompt, the target (loaded once the engines are gone)
+judges the first difference by its own logits (lossless.classify: a near-tie in bf16, else a mismatch); a
+second turn whose first answers differed has different prompts and is not compared. Prints a Markdown table
+per request kind: tokens/s, rounds, accepted tokens a round, the ratio with / without history and the
+verdicts; `--out` writes the rows.
 """
 
 from __future__ import annotations
@@ -87,13 +90,15 @@ def main() -> None:
                                 answers[side] = gen.tokens
                             rows.append(dict(method=m, question=q.question_id, kind=kind, side=side,
                                              tokens=len(gen.tokens), seconds=wall, rounds=gen.stats.rounds,
-                                             accepted_per_round=gen.stats.mean_accepted, output=gen.tokens))
+                                             accepted_per_round=gen.stats.mean_accepted, output=gen.tokens,
+                                             prompt=prompt))
                             print(f"  {m:>9} q{q.question_id} {kind:>11} {side:>10}: {len(gen.tokens) / wall:5.2f} "
                                   f"tok/s, {gen.stats.rounds} rounds, {gen.stats.mean_accepted:.2f} a round",
                                   flush=True)
         finally:
             for eng in engines.values():
                 eng.shutdown()
+        judge(rows, t_path, args.dtype)
     report(rows, methods, args, which)
     if args.out:
         import pyarrow as pa
@@ -106,20 +111,40 @@ def main() -> None:
     ray.shutdown()
 
 
+def judge(rows: list[dict], target_path: str, dtype: str) -> None:
+    """Set each "history" row's `verdict` against its "no history" twin: exact, near-tie or mismatch
+    (lossless.classify, the target loaded here only where some output differs), or "other prompt"."""
+    from treegraft_dist.evaluation.lossless import EXACT, classify
+    from treegraft_dist.models.loading import load_model
+
+    twins = {(r["method"], r["question"], r["kind"]): r for r in rows if r["side"] == SIDES[0]}
+    pairs = [(twins[r["method"], r["question"], r["kind"]], r) for r in rows if r["side"] == SIDES[1]]
+    lm = None
+    if any(a["prompt"] == b["prompt"] and a["output"] != b["output"] for a, b in pairs):
+        lm = load_model(target_path, "cpu", dtype).lm
+    for a, b in pairs:
+        if a["prompt"] != b["prompt"]:
+            a["verdict"] = b["verdict"] = "other prompt"
+        else:
+            a["verdict"] = b["verdict"] = (EXACT if a["output"] == b["output"]
+                                           else classify(lm, a["prompt"], a["output"], b["output"]).verdict)
+
+
 def report(rows: list[dict], methods: list[str], args, which: str) -> None:
     print(f"\n{args.pair} pair, {args.questions} MT-Bench questions x {args.tokens} new tokens, one request at a "
           f"time, dtype {args.dtype}, history {args.history} tokens; treegraft: {which}\n")
     print("| method | request | tok/s without | tok/s with history | with / without | accepted/round without | "
-          "accepted/round with | same ids |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "accepted/round with | outputs with vs without |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for m in methods:
         for kind in KINDS:
             cell = {s: [r for r in rows if (r["method"], r["kind"], r["side"]) == (m, kind, s)] for s in SIDES}
             tps = {s: sum(r["tokens"] for r in v) / sum(r["seconds"] for r in v) for s, v in cell.items()}
             acc = {s: statistics.mean(r["accepted_per_round"] for r in v) for s, v in cell.items()}
-            same = sum(a["output"] == b["output"] for a, b in zip(*cell.values()))
+            verdicts = [r["verdict"] for r in cell[SIDES[1]]]
+            said = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(verdicts))
             print(f"| {m} | {kind} | {tps[SIDES[0]]:.2f} | {tps[SIDES[1]]:.2f} | {tps[SIDES[1]] / tps[SIDES[0]]:.2f}x "
-                  f"| {acc[SIDES[0]]:.2f} | {acc[SIDES[1]]:.2f} | {same}/{len(cell[SIDES[0]])} |")
+                  f"| {acc[SIDES[0]]:.2f} | {acc[SIDES[1]]:.2f} | {said} |")
 
 
 if __name__ == "__main__":

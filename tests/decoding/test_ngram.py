@@ -193,7 +193,7 @@ def test_chain_length_is_min_of_chain_and_remaining_depth(depth, chain, layer, w
     (0, 1, 0, [4, 5, 6, 7]),  # the published settings: min(chain, depth - layer)
     (6, 1, 0, [4, 5, 6, 7, 8, 11]),  # past depth 5: the root's best match copies 6 tokens
     (2, 1, 0, [4, 5, 6, 7]),  # never shorter than the published chain
-    (6, 2, 0, [4, 5, 6]),  # only at the first layer
+    (6, 2, 0, [4, 5, 6, 7, 8, 11]),  # at the round's first n-gram layer, whichever layer that is
 ])
 def test_long_chain_copies_past_the_depth_from_the_root_at_layer_one(long_chain, layer, f, want_chain):
     d = drafter(P, None, long_chain=long_chain)
@@ -202,12 +202,36 @@ def test_long_chain_copies_past_the_depth_from_the_root_at_layer_one(long_chain,
     assert entries(prop) == list(zip(chain_parents, [3] + want_chain)) + [(0, 30)]
 
 
-def test_long_chain_is_for_the_root_only():
-    d = drafter(P, None, long_chain=6)
+def test_long_chain_is_for_the_best_frontier_node_of_the_rounds_first_ngram_layer():
+    def after_a_middle_layer(best: int) -> tuple[DraftTree, Proposal]:
+        """Layer 2 after a middle layer that proposed 3 and 30 below the root, `best` the likelier."""
+        tree = DraftTree(P[-1])
+        tree.graft(Proposal(1, np.array([0, 0]), np.array([3, 30]),
+                            np.array([-0.1, -2.0] if best == 3 else [-2.0, -0.1]), ORIGIN_MIDDLE), 1)
+        return tree, drafter(P, None, long_chain=6).step(tree, np.array([1, 2]), 2)
+
+    def chain_below(prop: Proposal, node: int) -> list[int]:
+        """The tokens of the chain the proposal hangs below tree node `node` (its first child, then on)."""
+        out, parent = [], node
+        for j, (par, tok) in enumerate(entries(prop)):
+            if par == parent:
+                out.append(tok)
+                parent = prop.base + j
+        return out
+
+    # Path 2 3 matched at 1..2 (followed by 4 5 6 7 8 11 ...); path 2 30 at 9..10 (followed by 5 1 2).
+    _, prop = after_a_middle_layer(best=3)
+    assert chain_below(prop, 1) == [4, 5, 6, 7, 8, 11, 2] and chain_below(prop, 2) == [5, 1, 2]
+    _, prop = after_a_middle_layer(best=30)
+    assert chain_below(prop, 1) == [4, 5, 6, 7] and chain_below(prop, 2) == [5, 1, 2]  # 2 is the context's end
+    # Once an n-gram layer ran in the round, later ones keep the published chain length: min(4, 5 - 3) at 3.
     tree = DraftTree(P[-1])
-    tree.graft(Proposal(1, np.array([0]), np.array([3]), np.array([0.0]), ORIGIN_MIDDLE), 1)
-    prop = d.step(tree, np.array([1]), 1)  # a non-root frontier node at layer 1: published chain length
-    assert [t for _, t in entries(prop)][:5] == [4, 5, 6, 7, 8]
+    tree.graft(Proposal(1, np.array([0]), np.array([30]), np.array([-0.1]), ORIGIN_MIDDLE), 1)
+    tree.graft(Proposal(2, np.array([1]), np.array([5]), np.array([-0.1]), ORIGIN_NGRAM), 2)
+    later = drafter(P, None, long_chain=6).step(tree, np.array([0]), 3)
+    assert chain_below(later, 0) == [3, 4, 5]
+    assert chain_below(drafter(P, None, long_chain=6).step(DraftTree(P[-1]), np.array([0]), 3), 0) == [
+        3, 4, 5, 6, 7, 8, 11]  # the same step as the round's first n-gram layer
 
 
 def test_chain_stops_at_the_end_of_the_context():

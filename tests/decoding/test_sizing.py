@@ -202,6 +202,19 @@ def test_later_requests_start_from_what_earlier_ones_measured_and_some_still_exp
     assert request(4) == [8, 8, 8, 8]
 
 
+def test_drafting_is_priced_before_a_method_measured_it_so_a_first_burst_takes_plain_steps():
+    from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget, Payoff
+    from treegraft_dist.decoding.stats import RequestStats
+
+    means = DraftingMeans()
+    payoff, spent = means.start("treegraft")
+    assert means.update(RequestStats("treegraft"), payoff, spent, prior_ms=60.0) == 60.0  # nothing measured yet
+    # A CPU's passes: 16 requests' 2-node trees cost 1.28 times their plain steps.
+    lb = LoadBudget(16, {1: 160.0, 2: 160.0, 4: 140.0, 8: 170.0, 16: 250.0, 32: 320.0, 64: 590.0})
+    assert lb(16, 0.0, Payoff()) > 1  # drafting taken for free: 16 requests would each call the middle drafter
+    assert lb(16, 60.0, Payoff()) == 1  # one middle call a round, one after another: plain steps
+
+
 def test_the_middle_drafters_read_of_unseen_context_is_priced_against_the_tokens_left():
     from treegraft_dist.decoding.sizing import LoadBudget, Payoff, Reading
 

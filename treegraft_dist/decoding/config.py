@@ -10,7 +10,7 @@ class TreeConfig:
     """depth D drafting layers; top_k K children per expanded node and frontier size; lookback L of the
     expanded candidate pool; budget = nodes verified per round (root included); max_n = longest n-gram
     matched; chain = extra tokens the best n-gram match adds below its child; long_chain = tokens the
-    root's best match may add at the first layer past the depth the layers reach (0: the published
+    best match may add at a round's first n-gram layer past the depth the layers reach (0: the published
     settings; see ngram.py); call_budget = most middle calls per round within its `depth` layers (None: no
     limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
@@ -43,11 +43,10 @@ class TreeConfig:
     @property
     def max_tree_depth(self) -> int:
         """Deepest node a round can create: each 1-based layer l adds one level plus an n-gram chain of
-        at most min(chain, depth - l) further tokens (at least long_chain at the first layer); each deepening
-        layer adds one level."""
+        at most min(chain, depth - l) further tokens, one layer of a round at most long_chain (ngram.py);
+        each deepening layer adds one level."""
         chains = [min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1)]
-        chains[0] = max(chains[0], self.long_chain)
-        return sum(1 + c for c in chains) + self.deepen
+        return sum(1 + c for c in chains) + max(0, self.long_chain - min(chains)) + self.deepen
 
     def to_dict(self) -> dict:
         return asdict(self)

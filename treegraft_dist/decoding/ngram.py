@@ -6,8 +6,9 @@ followed it. Children rank by longer match first, then more recent occurrence, t
 carry the chain of tokens that followed its occurrence (several depths in one step); only the best
 match of each parent does.
 
-Long chains (an extension beyond the published settings, `long_chain` > 0): at the first layer the
-root's best match carries up to `long_chain` tokens of what followed it, past the depth the layers
+Long chains (an extension beyond the published settings, `long_chain` > 0): at the round's first n-gram
+layer (the first layer, or the first after the middle drafter's) the best match of the best-scored frontier
+node (the root at layer 1) carries up to `long_chain` tokens of what followed it, past the depth the layers
 would reach. Where text repeats (code edits, summaries quoting their source) a round can then accept
 a whole copied span, as prompt lookup decoding does; a chain is cheap to verify, and pruning by score
 drops it where the target's prefill log-probs say the copy is unlikely to continue.
@@ -257,9 +258,14 @@ class NGramDrafter:
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
         """One drafting step over `frontier`; `layer` is 1-based (the layer-1 fallback applies there)."""
         k = self.top_k
-        # Chains stop at the depth the last layer would reach one level at a time.
+        # Chains stop at the depth the last layer would reach one level at a time, except the long chain: at
+        # the round's first n-gram layer, from its best-scored frontier node (the root at layer 1; after a
+        # middle layer, the middle drafter's best guess), so that a schedule that calls the middle drafter
+        # first still copies a whole span where the text repeats.
         max_chain = min(self.chain, self.depth - layer)
-        root_chain = max(max_chain, self.long_chain) if layer == 1 else max_chain
+        long_from = -1
+        if self.long_chain > max_chain and len(frontier) and not (tree.expanded[: tree.size] & (1 << ORIGIN_NGRAM)).any():
+            long_from = int(frontier[np.argmax(tree.scores[frontier])])
         ctx = self.index.tokens
         n_ngram_children = None
         parents, tokens, scores = [], [], []
@@ -296,7 +302,7 @@ class NGramDrafter:
                 tokens.append(seq[p])
                 scores.append(score)
                 # Only the best match carries its chain: enough depth without multiplying the tree.
-                chain_end = p + 1 + (root_chain if f == 0 else max_chain) if rank == 0 else p + 1
+                chain_end = p + 1 + (self.long_chain if f == long_from else max_chain) if rank == 0 else p + 1
                 for q in range(p + 1, min(chain_end, len(seq))):
                     parent = base + len(tokens) - 1
                     score = score + (self._logprob(q, seq[q]) if is_own else 0.0)

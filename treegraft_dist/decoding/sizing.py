@@ -357,9 +357,9 @@ class DraftingMeans:
         trust = seen % self.EXPLORE_EVERY != 0 and means.get("rounds", 0) >= self.TRUST_ROUNDS
         return Payoff(means.get("accepted"), means.get("size", 0.0), trust), [0.0]
 
-    def update(self, stats, payoff: Payoff, spent: list[float]) -> float:
+    def update(self, stats, payoff: Payoff, spent: list[float], prior_ms: float = 0.0) -> float:
         """Before a round of a request (`stats`: its RequestStats so far): learn from its last round and give
-        the method's drafting milliseconds a drafted round."""
+        the method's drafting milliseconds a drafted round (`prior_ms` until one was measured)."""
         now = sum(stats.seconds[k] for k in DRAFTING_PHASES)
         means = self.by_method.setdefault(stats.method, {})
         if stats.tree_sizes and stats.tree_sizes[-1] > 1 and payoff.middle:  # the last round drafted as the policy says
@@ -373,4 +373,4 @@ class DraftingMeans:
         if stats.tree_sizes:
             payoff.observe(stats.tree_sizes[-1], stats.accepted[-1])
         spent[0] = now
-        return means.get("ms", 0.0)
+        return means.get("ms", prior_ms)
