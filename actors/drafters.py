@@ -12,7 +12,6 @@ round's drafting so far (`engine.Drafting`) out.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,16 +89,9 @@ class DrafterHost:
         self.rounds: dict[int, RoundSpec] = {}
         # The n-gram host's memory of finished requests (prompt and output), which its drafters also match.
         self.history = spec.history() if isinstance(spec, NGramSpec) else None
-        self._never = threading.Event()
 
     def ready(self) -> bool:
         return True
-
-    @ray.method(concurrency_group="watch")
-    def watch(self) -> None:
-        """Never answers while the actor lives: its caller holds the reference and learns of the actor's
-        death the moment the reference resolves (to an error), without a call in the requests' way."""
-        self._never.wait()
 
     def start(self, rid: int, prompt: list[int], prefill: PrefillCache | None, rounds: RoundSpec | None = None) -> None:
         d = self.drafters[rid] = self.spec.new(self.lm)

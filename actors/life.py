@@ -1,10 +1,13 @@
-"""The drafter actors' life: started in the control placement group, watched, restarted when they die.
+"""The drafter actors' life: started in the control placement group, checked, restarted when they die.
 
 One `DrafterHost` actor per kind (n-gram on CPU; the middle drafter, when there is one, on its own device).
-Each has a `watch` call in flight that resolves only when the actor dies, so a death between requests is
-seen without a call in the requests' way (`replace_dead`); a death a request meets (`ngram_died`,
-`middle_died`, from its FallbackDrafter) restarts the actor for later requests, while the request in flight
-finishes on n-gram drafting.
+Each is a plain actor, so its methods run on the worker's main thread: on a pool thread, where Ray runs the
+methods of an actor with concurrency groups, the middle drafter's forward took 1.65 times as long
+(`python -m jobs.bench.threads`; BENCHMARKS.md). A new request pings each actor
+(`replace_dead`): a dead one answers with an error at once and is restarted before the request drafts; one
+busy with another request's call does not answer within PING_S and is taken as alive. A death a request meets
+(`ngram_died`, `middle_died`, from its FallbackDrafter) restarts the actor for later requests, while the
+request in flight finishes on n-gram drafting.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import threading
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.decoding.config import TreeConfig
@@ -22,6 +26,8 @@ from .resources import MIDDLE_BUNDLE, NGRAM_BUNDLE, Resources
 
 log = logging.getLogger(__name__)
 
+PING_S = 0.05  # how long a new request waits for an idle drafter actor's answer (a busy one is alive)
+
 
 class DrafterActors:
     def __init__(self, cfg: TreeConfig, res: Resources, middle_path: str | None, dtype: str, control_pg):
@@ -29,7 +35,6 @@ class DrafterActors:
         self.lock = threading.Lock()  # restarts only: never held across a remote call that waits
         self.ngram_host = None
         self.middle_host = None
-        self._watches: dict[int, ray.ObjectRef] = {}  # bundle -> its drafter actor's DrafterHost.watch call
 
     def spawn(self) -> None:
         """Start the actors (they load their models meanwhile: `wait_ready`)."""
@@ -50,11 +55,18 @@ class DrafterActors:
     def replace_dead(self) -> None:
         """Restart a drafter actor that died since the last request began: with no request in flight on it,
         nothing else notices, and the next request would draft without it."""
-        for bundle, host, died in ((NGRAM_BUNDLE, self.ngram_host, self.ngram_died),
-                                   (MIDDLE_BUNDLE, self.middle_host, self.middle_died)):
-            if host is not None and ray.wait([self._watches[bundle]], timeout=0)[0]:
-                log.warning("the %s drafter actor died between requests; restarting it",
-                            "n-gram" if bundle == NGRAM_BUNDLE else "middle")
+        hosts = [(name, host, died) for name, host, died in (("n-gram", self.ngram_host, self.ngram_died),
+                                                            ("middle", self.middle_host, self.middle_died))
+                 if host is not None]
+        pings = [host.ready.remote() for _, host, _ in hosts]
+        ray.wait(pings, num_returns=len(pings), timeout=PING_S)
+        for (name, host, died), ping in zip(hosts, pings):
+            try:
+                ray.get(ping, timeout=0)
+            except GetTimeoutError:
+                continue  # serving another request's call (or still loading): alive
+            except RayActorError:
+                log.warning("the %s drafter actor died between requests; restarting it", name)
                 died(host)
 
     def middle_died(self, host) -> None:
@@ -73,11 +85,9 @@ class DrafterActors:
 
     def _host(self, spec, bundle: int, cpus: float, gpus: float, device: str):
         strategy = PlacementGroupSchedulingStrategy(self.control_pg, placement_group_bundle_index=bundle)
-        host = ray.remote(concurrency_groups={"watch": 1})(DrafterHost).options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=strategy).remote(
-            spec, device, self.res.torch_threads)
-        self._watches[bundle] = host.watch.remote()
-        return host
+        return ray.remote(DrafterHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+                                               scheduling_strategy=strategy).remote(spec, device,
+                                                                                    self.res.torch_threads)
 
     def _spawn_middle(self):
         spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback)
