@@ -203,12 +203,15 @@ def test_long_chain_copies_past_the_depth_from_the_root_at_layer_one(long_chain,
 
 
 def test_long_chain_is_for_the_best_frontier_node_of_the_rounds_first_ngram_layer():
-    def after_a_middle_layer(best: int) -> tuple[DraftTree, Proposal]:
-        """Layer 2 after a middle layer that proposed 3 and 30 below the root, `best` the likelier."""
-        tree = DraftTree(P[-1])
-        tree.graft(Proposal(1, np.array([0, 0]), np.array([3, 30]),
+    # "7 9 1 2" ends the context and occurred before, followed by 3 4 5 6 8 11 13 ...
+    ctx = [7, 9, 1, 2, 3, 4, 5, 6, 8, 11, 13, 7, 9, 1, 2]
+
+    def after_a_middle_layer(best: int) -> Proposal:
+        """Layer 2 after a middle layer that proposed 3 and 5 below the root, `best` the likelier."""
+        tree = DraftTree(ctx[-1])
+        tree.graft(Proposal(1, np.array([0, 0]), np.array([3, 5]),
                             np.array([-0.1, -2.0] if best == 3 else [-2.0, -0.1]), ORIGIN_MIDDLE), 1)
-        return tree, drafter(P, None, long_chain=6).step(tree, np.array([1, 2]), 2)
+        return drafter(ctx, None, long_chain=6).step(tree, np.array([1, 2]), 2)
 
     def chain_below(prop: Proposal, node: int) -> list[int]:
         """The tokens of the chain the proposal hangs below tree node `node` (its first child, then on)."""
@@ -219,11 +222,12 @@ def test_long_chain_is_for_the_best_frontier_node_of_the_rounds_first_ngram_laye
                 parent = prop.base + j
         return out
 
-    # Path 2 3 matched at 1..2 (followed by 4 5 6 7 8 11 ...); path 2 30 at 9..10 (followed by 5 1 2).
-    _, prop = after_a_middle_layer(best=3)
-    assert chain_below(prop, 1) == [4, 5, 6, 7, 8, 11, 2] and chain_below(prop, 2) == [5, 1, 2]
-    _, prop = after_a_middle_layer(best=30)
-    assert chain_below(prop, 1) == [4, 5, 6, 7] and chain_below(prop, 2) == [5, 1, 2]  # 2 is the context's end
+    # Below 3 the path continues a 5-token match (7 9 1 2 3): the long chain copies on past the depth.
+    prop = after_a_middle_layer(best=3)
+    assert chain_below(prop, 1) == [4, 5, 6, 8, 11, 13, 7] and chain_below(prop, 2) == [6, 8, 11, 13]
+    # Below 5 only "5" matches: not a copy worth a long chain, even as the middle's best guess; 3 is not the best.
+    prop = after_a_middle_layer(best=5)
+    assert chain_below(prop, 2) == [6, 8, 11, 13] and chain_below(prop, 1) == [4, 5, 6, 8]
     # Once an n-gram layer ran in the round, later ones keep the published chain length: min(4, 5 - 3) at 3.
     tree = DraftTree(P[-1])
     tree.graft(Proposal(1, np.array([0]), np.array([30]), np.array([-0.1]), ORIGIN_MIDDLE), 1)

@@ -260,8 +260,10 @@ class NGramDrafter:
         k = self.top_k
         # Chains stop at the depth the last layer would reach one level at a time, except the long chain: at
         # the round's first n-gram layer, from its best-scored frontier node (the root at layer 1; after a
-        # middle layer, the middle drafter's best guess), so that a schedule that calls the middle drafter
-        # first still copies a whole span where the text repeats.
+        # middle layer, the middle drafter's best guess, and there only behind a match of max_n tokens: a
+        # copy the middle's token continues, not a short match in generated text whose unscored chain would
+        # outrank the middle's other guesses), so that a schedule that calls the middle drafter first still
+        # copies a whole span where the text repeats.
         max_chain = min(self.chain, self.depth - layer)
         long_from = -1
         if self.long_chain > max_chain and len(frontier) and not (tree.expanded[: tree.size] & (1 << ORIGIN_NGRAM)).any():
@@ -296,13 +298,14 @@ class NGramDrafter:
                     tokens.append(self.index.most_frequent)
                     scores.append(tree.scores[f] + (self.prefill.floor if self.prefill else 0.0))
                 continue
+            long = f == long_from and (f == 0 or ranked[0][0] >= self.max_n)
             for rank, (_, is_own, _, lp, seq, p) in enumerate(ranked):
                 score = tree.scores[f] + lp
                 parents.append(f)
                 tokens.append(seq[p])
                 scores.append(score)
                 # Only the best match carries its chain: enough depth without multiplying the tree.
-                chain_end = p + 1 + (self.long_chain if f == long_from else max_chain) if rank == 0 else p + 1
+                chain_end = p + 1 + (self.long_chain if long else max_chain) if rank == 0 else p + 1
                 for q in range(p + 1, min(chain_end, len(seq))):
                     parent = base + len(tokens) - 1
                     score = score + (self._logprob(q, seq[q]) if is_own else 0.0)
