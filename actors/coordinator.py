@@ -250,7 +250,7 @@ class Coordinator:
         def drafters(req: Request) -> tuple[FallbackDrafter, FallbackDrafter | None]:
             """The request's drafters on the drafter actors, each falling back on n-gram drafting here."""
             rounds = RoundSpec(req.cfg, policy, req.context, history=greedy)
-            self.life.replace_dead()
+            self.life.replace_dead(alone=self.admission.active <= 1)
             # A drafter call waits at most as long as a (restarted) host may take to load its model.
             bound = self.res.load_timeout_s
             ngram = FallbackDrafter(RemoteDrafter(self.life.ngram_host, rid, ORIGIN_NGRAM, rounds, bound),

@@ -3,9 +3,9 @@
 One `DrafterHost` actor per kind (n-gram on CPU; the middle drafter, when there is one, on its own device).
 Each is a plain actor, so its methods run on the worker's main thread: on a pool thread, where Ray runs the
 methods of an actor with concurrency groups, the middle drafter's forward took 1.65 times as long
-(`python -m jobs.bench.threads`; BENCHMARKS.md). A new request pings each actor
-(`replace_dead`): a dead one answers with an error at once and is restarted before the request drafts; one
-busy with another request's call does not answer within PING_S and is taken as alive. A death a request meets
+(`python -m jobs.bench.threads`; BENCHMARKS.md). A request that starts alone pings each
+actor (`replace_dead`): a dead one answers with an error at once and is restarted before the request drafts; one
+still busy does not answer within PING_S and is taken as alive. A death a request meets
 (`ngram_died`, `middle_died`, from its FallbackDrafter) restarts the actor for later requests, while the
 request in flight finishes on n-gram drafting.
 """
@@ -52,9 +52,13 @@ class DrafterActors:
         for h in self.hosts():
             ray.kill(h, no_restart=True)
 
-    def replace_dead(self) -> None:
+    def replace_dead(self, alone: bool = True) -> None:
         """Restart a drafter actor that died since the last request began: with no request in flight on it,
-        nothing else notices, and the next request would draft without it."""
+        nothing else notices, and the next request would draft without it. Only for a request that starts
+        `alone`: beside others, their calls keep the actors busy (a ping would wait them out), and a death
+        meets their calls, which restart the actor."""
+        if not alone:
+            return
         hosts = [(name, host, died) for name, host, died in (("n-gram", self.ngram_host, self.ngram_died),
                                                             ("middle", self.middle_host, self.middle_died))
                  if host is not None]
