@@ -66,15 +66,17 @@ def main() -> None:
         Grouped = ray.remote(concurrency_groups={"parked": 1})(Forwards)
         grouped = Grouped.options(num_cpus=0.1).remote(m_path, name, threads)
         ray.get([plain.ready.remote(), grouped.ready.remote()])
-        parked = grouped.park.options(concurrency_group="parked").remote()
+        parked = grouped.park.options(concurrency_group="parked").remote()  # held until the end, as the watch was
         sides = {"plain actor (main thread)": plain, "with a concurrency group (pool thread)": grouped}
         ms: dict[str, list[float]] = {k: [] for k in sides}
         for i in range(args.calls):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]
             for k in order:
                 ms[k].append(ray.get(sides[k].forward_ms.remote(args.nodes)))
+        ray.kill(grouped)  # the parked call never returns
         del parked
-    print(f"\n{args.pair} middle drafter, {args.nodes}-node forwards, {threads} torch threads, {args.calls} calls each\n")
+    print(f"\n{args.pair} middle drafter, {args.nodes}-node forwards, {threads} torch threads, "
+          f"{args.calls} calls each\n")
     print("| actor | median ms | best ms |")
     print("|---|---:|---:|")
     for k, v in ms.items():

@@ -266,7 +266,8 @@ class NGramDrafter:
         # copies a whole span where the text repeats.
         max_chain = min(self.chain, self.depth - layer)
         long_from = -1
-        if self.long_chain > max_chain and len(frontier) and not (tree.expanded[: tree.size] & (1 << ORIGIN_NGRAM)).any():
+        first_ngram_layer = not (tree.expanded[: tree.size] & (1 << ORIGIN_NGRAM)).any()
+        if self.long_chain > max_chain and len(frontier) and first_ngram_layer:
             long_from = int(frontier[np.argmax(tree.scores[frontier])])
         ctx = self.index.tokens
         n_ngram_children = None
