@@ -287,8 +287,8 @@ class Coordinator:
 
         def round_budget() -> int:
             done = 1 + sum(req.stats.accepted)
-            reading = None if middle is None else Reading(len(req.prompt) + done, req.max_new - done,
-                                                          self.timings.read_ms)
+            reading = None if middle is None else Reading(req.cfg.middle_reads(len(req.prompt)) + done,
+                                                          req.max_new - done, self.timings.read_ms)
             size = self.load.round_budget(req.stats, spent, payoff, paced, reading,
                                           0.0 if middle is None else self.timings.t_mid_ms)
             draft.middle_on = payoff.middle

@@ -57,12 +57,13 @@ class NeuralSpec:
     dtype: str
     top_k: int
     lookback: int
+    window: int = 0  # TreeConfig.middle_window
 
     def load(self, device: str):
         return load_model(self.path, device, self.dtype, drafter=True).lm
 
     def new(self, lm) -> NeuralDrafter:
-        return NeuralDrafter(lm, self.top_k, self.lookback)
+        return NeuralDrafter(lm, self.top_k, self.lookback, self.window)
 
 
 @dataclass(frozen=True)
@@ -237,11 +238,13 @@ class RoundDrafter:
         self.middle_on = True  # False: this round is drafted without the middle drafter (sizing.Payoff)
         self.spec = ngram.remote.rounds
         self.decide_here = getattr(self.spec.policy, "stateless", False)
+        # Its first layer is decided where the n-gram drafter and the history are (draft_layers).
+        self.first_here = self.decide_here and not getattr(self.spec.policy, "copies_first", False)
 
     def __call__(self, root: int, budgets: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
         r, state = self.spec, Drafting.new(root)
         wanted = "ngram"  # the first layer: decided on the n-gram host ...
-        if self.decide_here and self.ngram.alive:  # ... or here, where a middle layer would be drafted anyway
+        if self.first_here and self.ngram.alive:  # ... or here, where a middle layer would be drafted anyway
             wanted = self._decide_here(state, budgets)
         while wanted is not None:
             if not self.ngram.alive:  # everything here, with the local n-gram mirror

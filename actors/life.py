@@ -94,7 +94,7 @@ class DrafterActors:
                                                                                     self.res.torch_threads)
 
     def _spawn_middle(self):
-        spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback)
+        spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback, self.cfg.middle_window)
         return self._host(spec, MIDDLE_BUNDLE, self.res.middle_cpus, self.res.middle_gpus, self.res.device)
 
     def _spawn_ngram(self):

@@ -97,6 +97,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deepen", type=int, default=d.deepen,
                    help="middle layers a round may draft past --depth while the middle drafter is sure enough that "
                         "one more layer pays for its call (default %(default)s; 0 = the published settings)")
+    p.add_argument("--middle-window", type=int, default=d.middle_window,
+                   help="prompt tokens the middle drafter reads, the last ones (default %(default)s; 0 = the whole "
+                        "prompt, the published settings)")
 
 
 def tree_config(args) -> TreeConfig:
@@ -107,8 +110,10 @@ def tree_config(args) -> TreeConfig:
         raise UsageError(f"--long-chain must be >= 0, got {args.long_chain}")
     if args.deepen < 0:
         raise UsageError(f"--deepen must be >= 0, got {args.deepen}")
+    if args.middle_window < 0:
+        raise UsageError(f"--middle-window must be >= 0 (0: the whole prompt), got {args.middle_window}")
     return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=budget,
-                      long_chain=args.long_chain, deepen=args.deepen)
+                      long_chain=args.long_chain, deepen=args.deepen, middle_window=args.middle_window)
 
 
 def load_pair(args, need_middle: bool):

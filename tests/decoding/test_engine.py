@@ -18,6 +18,7 @@ from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import ReplaySchedule, fixed_schedule
 from treegraft_dist.decoding.signals import NUM_SIGNALS, Timings
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
+from treegraft_dist.decoding.tree import DraftTree
 from treegraft_dist.decoding.verify import TargetVerifier
 from treegraft_dist.models import hf
 from treegraft_dist.models.hf import CausalLM
@@ -329,3 +330,59 @@ def test_deepening_calibrates_the_middle_drafters_confidence_from_what_the_targe
     assert first.deep_expected > 1 and first.deep_accepted == 0 and max(first.middle_calls) > 5
     assert dec.deepening.ratio < 0.2
     assert sum(last.middle_calls) < sum(first.middle_calls)
+
+
+@pytest.mark.parametrize("window", [1, 5, 24])
+def test_a_middle_drafter_reading_a_window_of_the_prompt_stays_exact_and_reads_only_the_window(window):
+    target, mid = pair("llama", "close")
+    cfg = TreeConfig(budget=16, middle_window=window)
+    prompt = prompts(7)[0] + prompts(8)[4]  # 54 tokens: the window is shorter
+    got = Decoder(target, mid, cfg).generate(prompt, 30, "all-mid")
+    assert got.tokens == hf_greedy(target, prompt, 30)
+    assert sum(got.stats.middle_calls) > 0
+    # Its first call reads the window (less the root, which runs with the tree), not the whole prompt.
+    drafter = NeuralDrafter(mid, cfg.top_k, cfg.lookback, cfg.middle_window)
+    drafter.start(prompt, None)
+    drafter.accept([], got.tokens[:1])
+    drafter.step(DraftTree(got.tokens[0]), np.zeros(1, np.int64), 1)
+    assert drafter.forward_sizes[0] == window + 1
+    assert cfg.middle_reads(len(prompt)) == window and TreeConfig(middle_window=0).middle_reads(len(prompt)) == 54
+
+
+def test_a_middle_drafter_over_a_window_drafts_what_one_given_the_window_as_its_prompt_drafts():
+    target, mid = pair("qwen3", "close")
+    prompt = prompts(9)[1] + prompts(9)[5]
+    windowed, alone = NeuralDrafter(mid, 4, 5, window=12), NeuralDrafter(mid, 4, 5)
+    windowed.start(prompt, None)
+    alone.start(prompt[-12:], None)
+    for d in (windowed, alone):
+        d.accept([], [3])
+    a, b = (d.step(DraftTree(3), np.zeros(1, np.int64), 1) for d in (windowed, alone))
+    assert a.tokens.tolist() == b.tokens.tolist() and np.allclose(a.scores, b.scores)
+    with pytest.raises(ValueError, match="window"):
+        NeuralDrafter(mid, 4, 5, window=-1)
+
+
+class CallsEveryLayerButCopiesFirst:
+    name, needs_signals, copies_first = "copies-first", False, True
+
+    def decide(self, signals, layer: int) -> bool:
+        return True
+
+
+def test_a_policy_that_copies_first_leaves_a_copying_rounds_first_layer_to_the_ngram_drafter():
+    target, mid = pair("llama", "close")
+    span = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    cfg = TreeConfig(budget=16)
+    for prompt, copying in ((span + [3, 40] + span[:5], True), (list(range(30, 50)), False)):
+        ngram, middle = NGramDrafter.from_config(cfg), NeuralDrafter(mid, cfg.top_k, cfg.lookback)
+        for d in (ngram, middle):
+            d.start(prompt[:-1], None)
+            d.accept([], prompt[-1:])
+        tree, calls = draft_tree(prompt[-1], cfg, CallsEveryLayerButCopiesFirst(), ngram, middle,
+                                 PhaseTimer(RequestStats("t")), None)
+        assert calls == [not copying] + [True] * 4
+        if copying:  # the copy's chain is in the tree: 5 tokens after the 5-token match, and more
+            assert tree.follow(span[5:]) and len(tree.follow(span[5:])) == len(span) - 5
+    got = Decoder(target, mid, cfg).generate(span + [3, 40] + span[:5], 30, CallsEveryLayerButCopiesFirst())
+    assert got.tokens == hf_greedy(target, span + [3, 40] + span[:5], 30)

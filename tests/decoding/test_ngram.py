@@ -401,3 +401,15 @@ def test_drafter_proposes_from_history_after_its_own_matches_and_chains_from_the
     assert prop.scores[:8].tolist() == [0.0] * 8
     assert drafter([5, 5, 8, 9, 1, 2, 3], long_chain=8).step(DraftTree(3), np.array([0]), 1).tokens.tolist() \
         != prop.tokens.tolist()  # without the history, nothing of it
+
+
+def test_copying_needs_a_match_of_max_n_tokens_here_or_in_the_history():
+    text = [4, 5, 6, 7, 8, 9, 10, 11]
+    assert drafter(text + [1] + text[:5], long_chain=8).copying()  # 4 5 6 7 8 occurred before
+    assert not drafter(text + [1] + text[1:5], long_chain=8).copying()  # a 4-token match only
+    assert not drafter(text + [1] + text[:5], long_chain=0).copying()  # no long chain to follow: published
+    assert not drafter([1, 2, 3]).copying()
+    h = HistoryIndex(1000, max_n=5, min_n=3)
+    h.add([20] + text)  # an earlier request said it
+    assert drafter([30, 31] + text[:5], long_chain=8, history=h).copying()
+    assert not drafter([30, 31] + text[1:5], long_chain=8, history=h).copying()

@@ -15,7 +15,8 @@ class TreeConfig:
     limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
     settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
-    timings, round_config)."""
+    timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
+    whole prompt, the published settings; see neural.py)."""
 
     depth: int = 5
     top_k: int = 10
@@ -27,12 +28,13 @@ class TreeConfig:
     call_budget: int | None = None
     deepen: int = 0
     deepen_cost: float | None = None
+    middle_window: int = 256
 
     def __post_init__(self):
         for name in ("depth", "top_k", "budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("lookback", "chain", "long_chain", "deepen"):
+        for name in ("lookback", "chain", "long_chain", "deepen", "middle_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.call_budget is not None and self.call_budget < 0:
@@ -47,6 +49,10 @@ class TreeConfig:
         each deepening layer adds one level."""
         chains = [min(self.chain, self.depth - layer) for layer in range(1, self.depth + 1)]
         return sum(1 + c for c in chains) + max(0, self.long_chain - min(chains)) + self.deepen
+
+    def middle_reads(self, prompt_len: int) -> int:
+        """Prompt tokens the middle drafter reads before its first call of a request."""
+        return min(prompt_len, self.middle_window) if self.middle_window else prompt_len
 
     def to_dict(self) -> dict:
         return asdict(self)

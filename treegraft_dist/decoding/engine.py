@@ -156,13 +156,17 @@ def draft_layers(
     the first layer the schedule gives it, and returns its name ("ngram" or "middle"); the caller drafts that
     layer (`draft_layer`) or those layers and resumes. `has_middle` (default: `middle` is given) says
     whether the middle drafter is there at all. This is how the distributed engine drafts every n-gram layer
-    between two middle calls in one call to the n-gram actor."""
+    between two middle calls in one call to the n-gram actor. A policy that `copies_first` gets no say over
+    the first layer while the n-gram drafter finds the text copying a span (NGramDrafter.copying), so the
+    n-gram drafter must be given for that layer."""
     has_middle = middle is not None if has_middle is None else has_middle
     while state.layer < cfg.depth or (has_middle and deepening(state, cfg)):
         layer, calls = state.layer, state.calls
         with timer.phase("scheduler"):
             if layer >= cfg.depth:  # a deepening layer: the middle drafter's, past the schedule
                 call = True
+            elif layer == 0 and getattr(policy, "copies_first", False) and ngram is not None and ngram.copying():
+                call = False  # a copy under way: its long chain first (NGramDrafter.copying)
             elif (budgets and only_ngram_left(cfg, policy, has_middle, layer, calls)
                     and all(pruning_settled(state.tree, state.frontier, b) for b in budgets)):
                 calls.extend([False] * (cfg.depth - layer))
@@ -261,7 +265,8 @@ class Decoder:
 
     def _drafters(self, req: Request) -> tuple[NGramDrafter, NeuralDrafter | None]:
         """A request's drafters: the n-gram drafter and, when a middle model is loaded, the neural one."""
-        middle = NeuralDrafter(self.middle, req.cfg.top_k, req.cfg.lookback) if self.middle is not None else None
+        middle = NeuralDrafter(self.middle, req.cfg.top_k, req.cfg.lookback,
+                               req.cfg.middle_window) if self.middle is not None else None
         return NGramDrafter.from_config(req.cfg), middle
 
     def _paced(self, req: Request) -> tuple[Callable[[], int], DraftRound]:
@@ -271,7 +276,7 @@ class Decoder:
 
         def budget() -> int:
             done = 1 + sum(req.stats.accepted)
-            reading = Reading(len(req.prompt) + done, req.max_new - done, self.timings.read_ms)
+            reading = Reading(req.cfg.middle_reads(len(req.prompt)) + done, req.max_new - done, self.timings.read_ms)
             return self.alone(1, self.drafting.update(req.stats, payoff, spent), payoff, reading)
 
         def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:

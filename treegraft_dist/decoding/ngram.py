@@ -252,6 +252,24 @@ class NGramDrafter:
     def release(self) -> None:
         """Nothing to free: the next `start` forgets this request."""
 
+    def copying(self) -> bool:
+        """Whether the text is copying a span: the context's last `max_n` tokens occurred before, in this
+        request or (where a history is kept) an earlier one, so that the root's best match carries a long
+        chain (`long_chain` > 0). A schedule that `copies_first` leaves such a round's first layer to this
+        drafter (engine.draft_layers): a middle layer first would put the middle drafter's guesses above
+        the copy and reach it only behind a match of max_n tokens from them."""
+        ctx = self.index.tokens
+        if not self.long_chain or len(ctx) < self.max_n:
+            return False
+        suffix = ctx[-self.max_n :]
+        own = self.index.matches(suffix, 1)
+        if own and own[0][0] >= self.max_n:
+            return True
+        if self.history is None:
+            return False
+        seen = self.history.matches(suffix, 1)
+        return bool(seen) and seen[0][0] >= self.max_n
+
     def _logprob(self, position: int, token: int) -> float:
         return 0.0 if self.prefill is None else self.prefill.logprob(position, token)
 

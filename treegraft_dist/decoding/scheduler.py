@@ -127,6 +127,10 @@ class LearnedScheduler:
     needs_signals = True
     budgeted = True  # the engine caps its middle calls a round: call_cap_at, else b0 = floor(T_tgt / T_mid)
     stateless = True
+    # A round whose text is copying a span (NGramDrafter.copying) drafts its first layer with the n-gram
+    # drafter whatever the margin: the signals do not show a match, and a middle layer first would rank its
+    # guesses above the copy.
+    copies_first = True
 
     def __init__(self, model: SchedulerMLP, info: SchedulerInfo):
         self.model = model.eval()

@@ -197,7 +197,7 @@ class Evaluation:
         return self._verify_ms
 
     def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
-        tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0} if PUBLISHED in method
+        tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0, "middle_window": 0} if PUBLISHED in method
                                             else {"deepen": 0} if SHALLOW in method else {}))
         sizer = None
         if is_sized(method):

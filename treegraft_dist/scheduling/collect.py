@@ -149,7 +149,7 @@ class Collector:
         # The context signals use the timings of the largest budget; fitting rewrites them per budget.
         context = context_signals(len(prompt), self.cost.timings(max(self.budgets)))
         ngram = NGramDrafter.from_config(cfg)
-        middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback)
+        middle = NeuralDrafter(self.middle, cfg.top_k, cfg.lookback, cfg.middle_window)
         for d in (ngram, middle):
             d.start(prompt, prefill)
             d.accept([], ref[:1])
