@@ -274,7 +274,8 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
     ev = Evaluation(target, middle, cfg)
     assert ev._decoder("all-small", 16).cfg.long_chain > 0
     published = ev._decoder("all-small@published", 16).cfg
-    assert published.long_chain == 0 and published.deepen == 0
+    assert published.long_chain == 0 and published.deepen == 0 and published.middle_window == 0
+    assert ev._decoder("all-small", 16).cfg.middle_window == TreeConfig().middle_window > 0
     shallow = ev._decoder("all-mid@shallow", 16).cfg
     assert shallow.long_chain > 0 and shallow.deepen == 0 and TreeConfig(deepen=10).deepen == 10
     summary = ev.run()
