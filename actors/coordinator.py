@@ -257,7 +257,8 @@ class Coordinator:
                                     NGramDrafter.from_config(req.cfg), self.life.ngram_died, mirror=True)
             middle = None
             if self.life.middle_host is not None and may_call_middle(policy):
-                middle = FallbackDrafter(RemoteDrafter(self.life.middle_host, rid, ORIGIN_MIDDLE, timeout_s=bound),
+                middle = FallbackDrafter(RemoteDrafter(self.life.middle_host, rid, ORIGIN_MIDDLE, timeout_s=bound,
+                                                       lazy=True),
                                          ngram, self.life.middle_died, prefetch=prefetch)
                 if prefetch and self.res.adapt_budget and self.admission.active > 1:
                     middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)

@@ -146,26 +146,58 @@ class RemoteDrafter:
     alive = True  # as far as it knows: a call to a dead actor raises, and its FallbackDrafter takes over
     fallback_steps = 0
 
-    def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None, timeout_s: float | None = None):
+    def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None, timeout_s: float | None = None,
+                 lazy: bool = False):
+        """`lazy`: the host hears of the request only when it is first asked to draft or catch up (its start and
+        the tokens accepted until then go first, in one accept: the same state, as a drafter before its first
+        step holds only the context). A request that never drafts with it (plain steps under load, or a
+        request that Payoff keeps from the middle drafter) costs the host nothing: on shared cores its work
+        would run beside the target's passes and slow them."""
         self.host = host
         self.rid = rid
         self.origin = origin
         self.rounds = rounds
         self.timeout_s = timeout_s
+        self.lazy = lazy
+        self._pending: tuple[list[int], PrefillCache | None, list[int]] | None = None  # prompt, prefill, tokens
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
+        if self.lazy:
+            self._pending = (prompt, prefill, [])
+            return
         self.host.start.remote(self.rid, prompt, prefill, self.rounds)
 
+    def _begin(self) -> None:
+        if self._pending is not None:
+            prompt, prefill, tokens = self._pending
+            self._pending = None
+            self.host.start.remote(self.rid, prompt, prefill, self.rounds)
+            if tokens:
+                self.host.accept.remote(self.rid, [], tokens)
+
+    @property
+    def started(self) -> bool:
+        """Whether the host has heard of the request."""
+        return self._pending is None
+
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
+        self._begin()
         return ray.get(self.host.step.remote(self.rid, tree, frontier, layer), timeout=self.timeout_s)
 
     def accept(self, path: list[int], tokens: list[int]) -> None:
+        if self._pending is not None:
+            self._pending[2].extend(tokens)
+            return
         self.host.accept.remote(self.rid, path, tokens)
 
     def prefetch(self, root: int) -> None:
+        self._begin()
         self.host.prefetch.remote(self.rid, root)
 
     def release(self) -> None:
+        if self._pending is not None:  # never started there: nothing to free
+            self._pending = None
+            return
         self.host.release.remote(self.rid)
 
 
