@@ -38,7 +38,6 @@ from treegraft_dist.decoding.request import (
 from treegraft_dist.decoding.sampling import SamplingParams
 from treegraft_dist.decoding.schedule import SchedulePolicy
 from treegraft_dist.decoding.signals import READ_BLOCK, Timings
-from treegraft_dist.decoding.sizing import Reading
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree
 from treegraft_dist.decoding.verify import Verdict
@@ -287,9 +286,7 @@ class Coordinator:
         draft = RoundDrafter(req.ngram, middle, req.timer)
 
         def round_budget() -> int:
-            done = 1 + sum(req.stats.accepted)
-            reading = None if middle is None else Reading(req.cfg.middle_reads(len(req.prompt)) + done,
-                                                          req.max_new - done, self.timings.read_ms)
+            reading = None if middle is None else req.reading(self.timings.read_ms)
             size = self.load.round_budget(req.stats, spent, payoff, paced, reading,
                                           0.0 if middle is None else self.timings.t_mid_ms)
             draft.middle_on = payoff.middle

@@ -36,7 +36,7 @@ from .request import (
 from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import READ_BLOCK, Timings, compute_signals
-from .sizing import DraftingMeans, LoadBudget, Reading, TreeSizer
+from .sizing import DraftingMeans, LoadBudget, TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
@@ -275,9 +275,8 @@ class Decoder:
         payoff, spent = self.drafting.start(req.policy.name)
 
         def budget() -> int:
-            done = 1 + sum(req.stats.accepted)
-            reading = Reading(req.cfg.middle_reads(len(req.prompt)) + done, req.max_new - done, self.timings.read_ms)
-            return self.alone(1, self.drafting.update(req.stats, payoff, spent), payoff, reading)
+            drafting_ms = self.drafting.update(req.stats, payoff, spent)
+            return self.alone(1, drafting_ms, payoff, req.reading(self.timings.read_ms))
 
         def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
             live = req.middle if payoff.middle else None  # an exploring round: the n-gram drafter alone

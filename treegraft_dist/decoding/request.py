@@ -21,7 +21,7 @@ from .drafter import Drafter
 from .ngram import PrefillCache
 from .schedule import SchedulePolicy
 from .signals import Timings, context_signals
-from .sizing import TreeSizer
+from .sizing import Reading, TreeSizer
 from .stats import PhaseTimer, RequestStats
 
 # Pseudo-tokens at face value in the deepening calibration: a few verified deepening nodes already move it.
@@ -86,6 +86,12 @@ class Request:
     def middle_fallback_steps(self) -> int:
         """Steps n-gram drafting answered in the middle drafter's place so far (0 without a middle drafter)."""
         return 0 if self.middle is None else self.middle.fallback_steps
+
+    def reading(self, token_ms: float) -> Reading:
+        """Where the request stands before a round, for pricing the middle drafter's read of the context it has
+        not seen (the prompt as far as its window reaches, then every token so far); `token_ms`: a token's read."""
+        done = 1 + sum(self.stats.accepted)
+        return Reading(self.cfg.middle_reads(len(self.prompt)) + done, self.max_new - done, token_ms)
 
     def release(self) -> None:
         """Every drafter frees what it holds for this request (its state on an actor)."""
