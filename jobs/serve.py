@@ -44,6 +44,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import AR_METHOD, resolve_policy
 from treegraft_dist.decoding.errors import EngineUnavailable, QueueTimeout
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.models.loading import describe_model
 from treegraft_dist.models.prepare import DEFAULT_MIDDLE, DEFAULT_TARGET
 from treegraft_dist.serving import (
@@ -139,10 +140,9 @@ class OpenAIServer:
                                history_tokens=draft_history)
         self.policy = self._treegraft_policy(scheduler, trajectories, (target, middle), t_src, m_src, resources,
                                              dtype, cache_dir)
-        cfg = TreeConfig() if budget is None else TreeConfig(budget=budget)
-        fitted = getattr(self.policy, "info", None)
-        if fitted is not None and budget is None:
-            cfg = dataclasses.replace(cfg, budget=int(fitted.cost_profile["budget"]))
+        # The tree size (unless given) and width the scheduler was fitted for.
+        cfg = fitted_tree(TreeConfig() if budget is None else TreeConfig(budget=budget), self.policy,
+                          budget=budget is None)
         self.cfg, self.has_middle = cfg, m_src is not None
         self.default_method = method
         self._check_method(method)
@@ -209,7 +209,7 @@ class OpenAIServer:
         profile = policy.info.cost_profile
         source = trajectories or shipped_trajectories(pair).name
         log.info(f"treegraft: scheduler fitted for this device ({profile.get(PROFILE_KEY)}) from {source} at "
-                 f"budget {profile.get('budget')}, call cap {profile.get('call_cap')}")
+                 f"budget {profile.get('budget')}, tree width {policy.width}, call cap {profile.get('call_cap')}")
         return policy
 
     def _check_method(self, method: str) -> None:
@@ -485,7 +485,7 @@ def fit_device_scheduler(pair, target_src: str, middle_src: str, device: str, dt
     context = chat_prompt(target.tokenizer, [builtin(COST_CONTEXT_BENCHMARK)[-1].turns[0]], [])
     found = resolve_scheduler(None, tuple(pair), target.lm, target.source, middle.lm, middle.source,
                               cache_root(cache_dir), context, TreeConfig(), lambda m: print(m, file=sys.stderr),
-                              trajectories)
+                              trajectories, any_width=True)
     return None if found is None else found[0]
 
 

@@ -59,6 +59,7 @@ def test_generate_with_sampling_and_chat(pair_dirs, capsys):
     (["--prompt", "x" * 600], "context"),
     (["--budget", "0"], "budget"),
     (["--deepen", "-1"], "--deepen"),
+    (["--tree-k", "0"], "--tree-k"),
     (["--middle-window", "-1"], "--middle-window"),
     (["--method", "01x01"], "pattern"),
     (["--method", "0101"], "pattern"),

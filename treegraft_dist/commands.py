@@ -22,6 +22,7 @@ from .decoding.config import TreeConfig
 from .decoding.engine import AR_METHOD, Decoder
 from .decoding.sampling import SamplingParams
 from .decoding.schedule import fixed_schedule
+from .decoding.scheduler import fitted_tree
 from .evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from .evaluation.evaluate import EvalConfig, Evaluation
 from .evaluation.methods import DEFAULT_METHODS
@@ -86,7 +87,9 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     d = TreeConfig()
     p.add_argument("--depth", type=int, default=d.depth, help="drafting layers per round D (default %(default)s)")
-    p.add_argument("--tree-k", type=int, default=d.top_k, help="children per node and frontier size K (default %(default)s)")
+    p.add_argument("--tree-k", type=int, default=None,
+                   help=f"children per node and frontier size K (default: the width the treegraft scheduler was "
+                        f"fitted for on this device, else {d.top_k})")
     p.add_argument("--lookback", type=int, default=d.lookback, help="expanded-pool lookback L (default %(default)s)")
     p.add_argument("--budget", type=int, default=None,
                    help=f"nodes verified per round, root included (default {d.budget}; --method treegraft sizes "
@@ -112,7 +115,10 @@ def tree_config(args) -> TreeConfig:
         raise UsageError(f"--deepen must be >= 0, got {args.deepen}")
     if args.middle_window < 0:
         raise UsageError(f"--middle-window must be >= 0 (0: the whole prompt), got {args.middle_window}")
-    return TreeConfig(depth=args.depth, top_k=args.tree_k, lookback=args.lookback, budget=budget,
+    if args.tree_k is not None and args.tree_k < 1:
+        raise UsageError(f"--tree-k must be at least 1, got {args.tree_k}")
+    return TreeConfig(depth=args.depth, top_k=TreeConfig.top_k if args.tree_k is None else args.tree_k,
+                      lookback=args.lookback, budget=budget,
                       long_chain=args.long_chain, deepen=args.deepen, middle_window=args.middle_window)
 
 
@@ -151,7 +157,8 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     else:
         found = resolve_scheduler(args.scheduler, pair, target.lm, target.source, middle.lm, middle.source,
                                   cache_root(args.cache_dir), prompt, tree_config(args),
-                                  lambda m: print(f"treegraft: {m}", file=sys.stderr))
+                                  lambda m: print(f"treegraft: {m}", file=sys.stderr),
+                                  any_width=getattr(args, "tree_k", None) is None)
     if found is None:
         print("treegraft: no scheduler for this pair, running the shallow-tree heuristic (see `treegraft fit`)",
               file=sys.stderr)
@@ -200,9 +207,8 @@ def cmd_generate(args, engine: EngineFactory) -> int:
                          "draft tree): shorten the prompt or ask for fewer tokens")
     if method == "treegraft":
         method = treegraft_policy(args, target, middle, list(prompt))
-        fitted = getattr(method, "info", None)
-        if fitted is not None and args.budget is None and not sized:  # the tree size the scheduler was fitted for
-            cfg = dataclasses.replace(cfg, budget=int(fitted.cost_profile["budget"]))
+        # The tree size and width the scheduler was fitted for, where not given.
+        cfg = fitted_tree(cfg, method, budget=args.budget is None and not sized, width=args.tree_k is None)
     if args.distributed:
         with engine(args, target, middle, cfg, sampling) as distributed:
             gen = distributed.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
@@ -235,7 +241,12 @@ def cmd_eval(args, engine: EngineFactory) -> int:
     if args.distributed:
         if not isinstance(cfg.budget, int):
             raise UsageError("--budget auto profiles the target in this process: give one number with --distributed")
-        with engine(args, target, middle, TreeConfig(budget=cfg.budget), SamplingParams()) as distributed:
+        tree = TreeConfig(budget=cfg.budget)
+        if cfg.scheduler is not None:  # the width its artifact was fitted for
+            from .scheduling.artifact import load_artifact
+
+            tree = fitted_tree(tree, load_artifact(cfg.scheduler, expect_pair=cfg.pair)[0], budget=False)
+        with engine(args, target, middle, tree, SamplingParams()) as distributed:
             summary = Evaluation(target, middle, cfg, engine=distributed).run()
     else:
         summary = Evaluation(target, middle, cfg).run()

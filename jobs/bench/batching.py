@@ -34,6 +34,7 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import bench_prompts, pair_paths, served_default, start_ray
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
 
 
@@ -112,7 +113,7 @@ def main() -> None:
                                                 args.threads or for_device("cpu", 1).torch_threads)
         args.budget = args.budget or budget
         print(f"treegraft: {which}; budget {args.budget}", flush=True)
-        tree = TreeConfig(budget=args.budget)
+        tree = fitted_tree(TreeConfig(budget=args.budget), default, budget=False)  # the width it was fitted for
         engines = {}
         for adapt in sorted({not m.endswith("@fixed") for m in methods}):
             threads = {} if args.threads is None else {"torch_threads": args.threads}

@@ -234,7 +234,7 @@ def served_default(kind: str, t_path: str, m_path: str, dtype: str, threads: int
     policy = ray.get(task.remote((DEFAULT_TARGET, DEFAULT_MIDDLE), t_path, m_path, "cpu", dtype, None, threads))
     profile = policy.info.cost_profile
     return policy, int(profile["budget"]), (f"the scheduler fitted for this device ({profile.get(PROFILE_KEY)}), "
-                                            f"budget {profile['budget']}, call cap {profile.get('call_cap')}")
+                                            f"budget {profile['budget']}, tree width {policy.width}, call cap {profile.get('call_cap')}")
 
 
 def bench_prompts(tok, n: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import pair_paths, pin_kernels, served_default, start_ray
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.loading import pick_dtype
@@ -64,7 +65,7 @@ def main() -> None:
         res = for_device("cpu", 1)
         default, budget, which = served_default(args.pair, t_path, m_path, args.dtype, res.torch_threads)
         print(f"treegraft: {which}", flush=True)
-        tree = TreeConfig(budget=budget)
+        tree = fitted_tree(TreeConfig(budget=budget), default, budget=False)  # the width it was fitted for
         engines = {SIDES[0]: DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype),
                    SIDES[1]: DistributedEngine(t_path, m_path, tree, for_device("cpu", 1, history_tokens=args.history),
                                                dtype=args.dtype)}

@@ -47,6 +47,7 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import bench_prompts, pair_paths, pin_kernels, served_default, start_ray
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import AR_METHOD, Decoder
 from treegraft_dist.models import kernels, precision
@@ -143,7 +144,7 @@ def main() -> None:
         default, budget, which = served_default(args.pair, t_path, m_path, dtype_name, res.torch_threads)
         args.budget = args.budget or budget
         print(f"treegraft: {which}; budget {args.budget}", flush=True)
-        tree = TreeConfig(budget=args.budget)
+        tree = fitted_tree(TreeConfig(budget=args.budget), default, budget=False)  # the width it was fitted for
 
         def policy(method: str):
             return default if method == "treegraft" else method

@@ -189,6 +189,16 @@ def test_prompts_go_round_robin_over_benchmarks(bench_file):
 @pytest.fixture(scope="module")
 def artifact(pair, tmp_path_factory):
     """A scheduler fitted on rounds collected from the tiny pair (pair names: tiny-target, tiny-middle)."""
+    return fit_tiny(pair, tmp_path_factory.mktemp("sched") / "tiny.npz", top_k=10)
+
+
+@pytest.fixture(scope="module")
+def narrow_artifact(pair, tmp_path_factory):
+    """The same, fitted on rounds of trees of width 3."""
+    return fit_tiny(pair, tmp_path_factory.mktemp("sched3") / "tiny3.npz", top_k=3)
+
+
+def fit_tiny(pair, path, top_k: int):
     import pyarrow as pa
 
     from treegraft_dist.decoding.config import TreeConfig
@@ -200,7 +210,7 @@ def artifact(pair, tmp_path_factory):
 
     target, middle = pair
     cost = CostModel("test", 0.2, 0.1, {1: 3.0, 16: 4.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
-    cfg = TreeConfig(budget=16)
+    cfg = TreeConfig(budget=16, top_k=top_k)
     collector = Collector(target.lm, middle.lm, cfg, cost, (4, 16))
     tables = []
     for bench in ("gsm8k", "humaneval", "qa"):
@@ -209,7 +219,6 @@ def artifact(pair, tmp_path_factory):
             tables.append(records_table(collector.rounds(ids, 12), bench, q.question_id, len(ids), (4, 16), cost))
     manifest = {"pair": ["tiny-target", "tiny-middle"], "cost_model": cost.to_dict(), "budgets": [4, 16],
                 "tree": cfg.to_dict(), "max_new_tokens": 12}
-    path = tmp_path_factory.mktemp("sched") / "tiny.npz"
     # Fitted for this process's profile of the pair: the evaluation refuses an artifact of another one.
     key = profile_key(target.lm, target.source, middle.lm, middle.source)
     fit(Trajectories(manifest, pa.concat_tables(tables)), path, heldout_fraction=0.34, value_fit={"epochs": 5},
@@ -234,6 +243,25 @@ def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifa
     groups = {r["benchmark"] for r in summary.rows}
     assert {"(held-in)", "(held-out)", "(mean)"} <= groups
     assert "held-out mean" in summary.table()
+
+
+def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair, narrow_artifact, tmp_path):
+    from treegraft_dist.scheduling.artifact import load_artifact
+
+    target, middle = pair
+    assert load_artifact(narrow_artifact)[0].width == 3
+    cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "treegraft", "treegraft@sized", "treegraft@published",
+                                                     "oracle", "all-mid"],
+                     prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "out", budget="auto",
+                     cache_dir=tmp_path / "cache", scheduler=narrow_artifact, pair=("tiny-target", "tiny-middle"))
+    ev = Evaluation(target, middle, cfg)
+    widths = {m: ev._decoder(m, 16).cfg.top_k for m in cfg.methods if m != "ar"}
+    # Its own methods at its width; the published settings and the fixed schedules at the published K = 10.
+    assert widths == {"treegraft": 3, "treegraft@sized": 3, "oracle": 3, "treegraft@published": 10, "all-mid": 10}
+    summary = ev.run()
+    assert summary.mismatches == []
+    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert all(r["lossless"] for r in rows)
 
 
 def test_artifact_methods_refuse_a_missing_or_foreign_artifact(pair, artifact, tmp_path):

@@ -3,6 +3,7 @@ fitted on first use, cached, and refused on any other device profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,13 +14,15 @@ from tiny import char_tokenizer, perturbed_copy, tiny_model, write_trajectories
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding import costs as cost_module
 from treegraft_dist.decoding.costs import CostModel, profile_key
-from treegraft_dist.decoding.scheduler import SchedulerArtifactError
+from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
+from treegraft_dist.decoding.scheduler import SchedulerArtifactError, fitted_tree
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.hf import CausalLM
 from treegraft_dist.scheduling import device as device_scheduler
 from treegraft_dist.scheduling.collect import read_trajectories
 from treegraft_dist.scheduling.device import (
     PROFILE_KEY,
+    choose_width,
     check_profile,
     measured_budgets,
     priced,
@@ -47,6 +50,18 @@ def shipped(models, tmp_path_factory):
     prompts = [(bench, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-48:])
                for bench in ("gsm8k", "humaneval", "qa") for q in builtin(bench)[20:22]]
     return write_trajectories(tmp_path_factory.mktemp("traj"), target, middle, PAIR, prompts, TREE, cost, (1, 4, 16), 10)
+
+
+@pytest.fixture(scope="module")
+def narrow(models, tmp_path_factory):
+    """The same prompts collected at another tree width (K = 3)."""
+    target, middle = models
+    cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
+    tok = char_tokenizer()
+    prompts = [(bench, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-48:])
+               for bench in ("gsm8k", "humaneval", "qa") for q in builtin(bench)[20:22]]
+    return write_trajectories(tmp_path_factory.mktemp("traj3"), target, middle, PAIR, prompts,
+                              dataclasses.replace(TREE, top_k=3), cost, (1, 4, 16), 10)
 
 
 @pytest.fixture
@@ -192,3 +207,43 @@ def test_a_sane_cached_profile_is_checked_once_a_process(models, tmp_path, monke
     assert costs.latency_profile(target, "tiny-t", tmp_path) == first and timed  # the first read checks it
     done = len(timed)
     assert costs.latency_profile(target, "tiny-t", tmp_path) == first and len(timed) == done  # the second does not
+
+
+@pytest.mark.parametrize("cost", [
+    # flat: a GPU-like device, where more nodes cost next to nothing
+    CostModel("flat", 0.01, 0.01, {1: 1.0, 128: 1.0}, {1: 50.0, 4: 50.0, 16: 50.0}),
+    # steep: a CPU-like device, where every middle token and verified node costs
+    CostModel("steep", 0.01, 0.01, {1: 1.0, 4: 1.5, 128: 500.0}, {1: 50.0, 4: 50.0, 16: 60.0}),
+], ids=["flat", "steep"])  # on these tiny models: the wide set at budget 16, the narrow one at budget 4
+def test_with_sets_at_two_widths_the_fit_keeps_the_width_and_budget_this_device_decodes_fastest(
+        models, ship, shipped, narrow, tmp_path, monkeypatch, cost):
+    monkeypatch.setitem(device_scheduler.SHIPPED_WIDTHS, PAIR, (narrow,))
+    monkeypatch.setattr(device_scheduler, "device_costs", lambda *a, **k: cost)
+    target, middle = models
+    ctx = list(range(40))
+    sets = [read_trajectories(shipped), read_trajectories(narrow)]
+    want, want_budget = choose_width(sets, cost, log=str)
+    # What choose_width compares: each set's scheduled held-out speed at each budget this device measured.
+    from treegraft_dist.scheduling.fit import budget_speeds
+
+    best = max(((row["scheduled"], t.manifest["tree"]["top_k"], b) for t in sets
+                for b, row in budget_speeds(priced(t, cost), 0.25, 0, log=str).items()), key=lambda r: r[0])
+    assert (want.manifest["tree"]["top_k"], want_budget) == best[1:]
+
+    sched, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, TREE, log=str,
+                                    any_width=True)
+    assert sched.width == best[1] and sched.info.cost_profile["budget"] == best[2]
+    # The engine runs the tree it was fitted for: its width and budget.
+    tree = fitted_tree(TreeConfig(), sched)
+    assert (tree.top_k, tree.budget) == best[1:]
+    assert fitted_tree(TreeConfig(budget=7, top_k=5), sched, budget=False, width=False) == TreeConfig(budget=7, top_k=5)
+    assert fitted_tree(TreeConfig(budget=7), ShallowTreeHeuristic()) == TreeConfig(budget=7)
+
+    # Without any_width only the set grown at the engine's own width counts.
+    only, _ = scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path / "own", ctx,
+                                   dataclasses.replace(TREE, top_k=3), log=str)
+    assert only.width == 3
+    said = []
+    assert scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path / "none", ctx,
+                                dataclasses.replace(TREE, top_k=6), log=said.append) is None
+    assert len(said) == 2 and all("other tree settings" in m for m in said)

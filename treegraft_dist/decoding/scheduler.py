@@ -15,6 +15,7 @@ another device.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import zipfile
@@ -156,6 +157,13 @@ class LearnedScheduler:
         self.__dict__.update(state)
         self._h1, self._h2 = np.empty_like(self._h1), np.empty_like(self._h2)
 
+    @property
+    def width(self) -> int | None:
+        """The tree width (TreeConfig.top_k) of the trajectories it was fitted on, where recorded: the width
+        its budget and call cap were chosen for (scheduling.device.choose_width)."""
+        w = (self.info.fit.get("tree") or {}).get("top_k")
+        return None if w is None else int(w)
+
     def call_cap_at(self, budget: int) -> int | None:
         """The per-round call cap this scheduler was fitted with, where it runs at the budget it was fitted
         for (None otherwise, or for an artifact that records none). Its margins assume exactly that cap: the
@@ -275,3 +283,17 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
             f"scheduler artifact {str(path)!r} is corrupt or not a scheduler artifact "
             f"({type(e).__name__}: {e}): write it again with LearnedScheduler.save") from e
     return arrays, meta
+
+
+def fitted_tree(cfg, policy, budget: bool = True, width: bool = True):
+    """`cfg` (a TreeConfig) with the tree size (`budget`) and width (`width`) that the learned scheduler `policy`
+    was fitted for, where it records them; unchanged for any other policy."""
+    info = getattr(policy, "info", None)
+    if info is None:
+        return cfg
+    changes = {}
+    if budget and info.cost_profile.get("budget") is not None:
+        changes["budget"] = int(info.cost_profile["budget"])
+    if width and getattr(policy, "width", None) is not None:
+        changes["top_k"] = policy.width
+    return dataclasses.replace(cfg, **changes)

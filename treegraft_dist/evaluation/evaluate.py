@@ -34,6 +34,7 @@ from ..decoding.config import TreeConfig
 from ..decoding.costs import CANDIDATES, CostModel, choose_budget, latency_profile
 from ..decoding.engine import AR_METHOD, Decoder, Generation
 from ..decoding.schedule import SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
+from ..decoding.scheduler import fitted_tree
 from ..decoding.sizing import TreeSizer
 from ..files import write_parquet
 from ..models.loading import LoadedModel
@@ -160,7 +161,7 @@ class Evaluation:
             context = chat_prompt(self.target.tokenizer, [builtin(COST_CONTEXT_BENCHMARK)[-1].turns[0]], [])
             found = resolve_scheduler(self.cfg.scheduler, self.cfg.pair, self.target.lm, self.target.source,
                                       self.middle.lm, self.middle.source, cache_root(self.cfg.cache_dir), context,
-                                      TreeConfig(), self.log)
+                                      TreeConfig(), self.log, any_width=True)
         if found is None:
             if wanted != [TREEGRAFT]:
                 raise ValueError(f"{', '.join(m for m in wanted if m != TREEGRAFT)} need a scheduler and no "
@@ -175,7 +176,7 @@ class Evaluation:
                              "`treegraft fit`")
         profile = scheduler.info.cost_profile
         self.log(f"scheduler: fitted for {profile.get(PROFILE_KEY, '(no profile recorded)')} at budget "
-                 f"{profile.get('budget')}, call cap {profile.get('call_cap')} (signals: {', '.join(scheduler.subset)})")
+                 f"{profile.get('budget')}, tree width {scheduler.width}, call cap {profile.get('call_cap')} (signals: {', '.join(scheduler.subset)})")
         return scheduler, heads
 
     def _remote_scheduler(self):
@@ -199,6 +200,8 @@ class Evaluation:
     def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
         tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0, "middle_window": 0} if PUBLISHED in method
                                             else {"deepen": 0} if SHALLOW in method else {}))
+        if artifact_base(method) and PUBLISHED not in method:
+            tree = fitted_tree(tree, self.scheduler, budget=False)  # the width it was fitted for
         sizer = None
         if is_sized(method):
             costs = self.verify_ms()
@@ -232,7 +235,8 @@ class Evaluation:
         along the target's greedy decode (under the artifact's cost model and call cap), then the timed
         decode replays the chosen ones."""
         cost = CostModel.from_dict(self.scheduler.info.cost_profile)
-        collector = Collector(self.target.lm, self.middle.lm, TreeConfig(budget=budget), cost, (budget,),
+        collector = Collector(self.target.lm, self.middle.lm, fitted_tree(TreeConfig(budget=budget), self.scheduler,
+                                                                        budget=False), cost, (budget,),
                               self._call_cap())
 
         def run(ids: list[int], n: int) -> Generation:

@@ -37,16 +37,35 @@ PROFILE_KEY = "profile_key"  # in an artifact's cost_profile: the profile it was
 # rounds, as one device's context timings are, are left out), so that cached fits are redone.
 FIT_VERSION = 2
 DATA_DIR = Path(__file__).parents[1] / "data" / "trajectories"
-# Trajectories shipped per (target, middle) as named on the command line; `make trajectories` rebuilds them.
+# Trajectories shipped per (target, middle) as named on the command line, collected at the published tree
+# width (K = 10); `make trajectories` rebuilds them.
 SHIPPED_TRAJECTORIES = {
     ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):
         DATA_DIR / "qwen2.5-coder-1.5b+0.5b-instruct",
 }
+# The same rounds' prompts collected at other tree widths (otherwise the same settings). Where a middle call
+# costs about what its tokens do (a CPU: 35 ms for 4 new nodes against 60 for 10 on a 2-core Zen 4 in bf16)
+# and a wider tree's verification costs more than it accepts, a narrower tree decodes faster; where both are
+# flat (a GPU) the wider one does. The fit prices every set with this device's costs and keeps the fastest.
+SHIPPED_WIDTHS = {
+    ("embedded:qwen2.5-coder-1.5b-instruct", "embedded:qwen2.5-coder-0.5b-instruct"):
+        (DATA_DIR / "qwen2.5-coder-1.5b+0.5b-instruct-k4",),
+}
 
 
 def shipped_trajectories(pair: tuple[str, str] | None) -> Path | None:
+    """The set shipped for `pair` at the published tree width, or None."""
     folder = SHIPPED_TRAJECTORIES.get(tuple(pair)) if pair else None
     return folder if folder is not None and (folder / "collect.json").is_file() else None
+
+
+def shipped_trajectory_sets(pair: tuple[str, str] | None) -> tuple[Path, ...]:
+    """Every set shipped for `pair`: the published width's first, then those at other widths."""
+    first = shipped_trajectories(pair)
+    if first is None:
+        return ()
+    others = SHIPPED_WIDTHS.get(tuple(pair), ())
+    return (first,) + tuple(f for f in others if (f / "collect.json").is_file())
 
 
 def priced(traj: Trajectories, cost: CostModel) -> Trajectories:
@@ -83,52 +102,82 @@ def check_profile(scheduler: LearnedScheduler, key: str, where: str) -> None:
             "shipped trajectories, or `treegraft fit --data DIR --for-device` on this machine")
 
 
-def same_drafting(a: TreeConfig, b: TreeConfig) -> bool:
-    """Whether two tree configs grow the same trees (the budget and the call budget are chosen per device)."""
-    free = {"budget": 1, "call_budget": None}
+def same_drafting(a: TreeConfig, b: TreeConfig, any_width: bool = False) -> bool:
+    """Whether two tree configs grow the same trees (the budget and the call budget are chosen per device;
+    with `any_width` the tree width top_k too)."""
+    free = {"budget": 1, "call_budget": None, **({"top_k": 1} if any_width else {})}
     return dataclasses.replace(a, **free) == dataclasses.replace(b, **free)
+
+
+def choose_width(sets: list[Trajectories], cost: CostModel, log=print) -> tuple[Trajectories, int]:
+    """The trajectory set (one per tree width) and budget where the scheduled decode of the held-out prompts,
+    priced with `cost`, is fastest (fit.budget_speeds on each set; ties: the earlier set, the smaller budget)."""
+    from .fit import budget_speeds
+
+    best = None
+    for traj in sets:
+        width = traj.manifest["tree"]["top_k"]
+        log(f"tree width {width}: held-out tok/s by budget (cost model)")
+        speeds = budget_speeds(priced(traj, cost), 0.25, 0, log=log, budgets=measured_budgets(traj, cost))
+        for b, row in speeds.items():
+            if best is None or row["scheduled"] > best[0]:
+                best = (row["scheduled"], traj, b)
+    _, traj, budget = best
+    log(f"chosen: tree width {traj.manifest['tree']['top_k']}, budget {budget} ({best[0]:.2f} tok/s)")
+    return traj, budget
 
 
 def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source: str, middle: CausalLM,
                          middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig, log=print,
-                         trajectories: str | Path | None = None) -> tuple[LearnedScheduler, ValueHeads] | None:
+                         trajectories: str | Path | None = None, any_width: bool = False
+                         ) -> tuple[LearnedScheduler, ValueHeads] | None:
     """The scheduler fitted for this device from `trajectories` (a `treegraft collect` folder of this pair),
     else from those shipped for `pair`: loaded from the cache, or measured and fitted now and cached. None
     where none ship for the pair or they were collected with other tree settings than `tree` (their accepted
-    lengths would not be this engine's)."""
-    folder = Path(trajectories) if trajectories is not None else shipped_trajectories(pair)
-    if folder is None:
+    lengths would not be this engine's). With `any_width` the tree width is the fit's to choose: among the
+    sets shipped at several widths, the one this device decodes fastest (`choose_width`; the scheduler's
+    `width` says which, and the engine must run it)."""
+    folders = (Path(trajectories),) if trajectories is not None else shipped_trajectory_sets(pair)
+    sets = []
+    for folder in folders:
+        traj = read_trajectories(folder)
+        if trajectories is not None and tuple(traj.manifest.get("pair") or ()) != tuple(pair):
+            raise ValueError(f"trajectories {str(folder)!r} were collected for the pair {traj.manifest.get('pair')}, "
+                             f"not {list(pair)}: collect them for this pair with `treegraft collect`")
+        collected = TreeConfig(**traj.manifest["tree"])
+        if same_drafting(collected, tree, any_width):
+            sets.append(traj)
+        else:
+            log(f"the trajectories in {folder.name} were collected with other tree settings ({collected}) than "
+                f"these ({tree})")
+    if not sets:
         return None
-    traj = read_trajectories(folder)
-    if trajectories is not None and tuple(traj.manifest.get("pair") or ()) != tuple(pair):
-        raise ValueError(f"trajectories {str(folder)!r} were collected for the pair {traj.manifest.get('pair')}, "
-                         f"not {list(pair)}: collect them for this pair with `treegraft collect`")
-    collected = TreeConfig(**traj.manifest["tree"])
-    if not same_drafting(collected, tree):
-        log(f"the shipped trajectories were collected with other tree settings ({collected}) than these ({tree})")
-        return None
-    tree = collected
+    tree = TreeConfig(**sets[0].manifest["tree"])
     key = profile_key(target, target_source, middle, middle_source)
     cost = device_costs(target, target_source, middle, middle_source, cache_dir, context, tree)
     # The data's identity, the fit's version and the costs are part of the name: new shipped trajectories, a
     # fit that changed what it learns from them, or a profile measured again (it was taken on a busy
     # machine) mean a new fit.
-    digest = hashlib.sha256(json.dumps({**traj.manifest, "fit_version": FIT_VERSION, "cost": cost.to_dict()},
+    data = sets[0].manifest if len(sets) == 1 else {"sets": [t.manifest for t in sets]}
+    digest = hashlib.sha256(json.dumps({**data, "fit_version": FIT_VERSION, "cost": cost.to_dict()},
                                        sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / "schedulers" / f"{key}--{digest}.npz"
     if path.is_file():
         scheduler, heads = load_artifact(path, expect_pair=pair)
     else:
-        log(f"fitting the scheduler for this device ({key}) from {folder.name} "
-            f"({traj.table.num_rows} rounds); cached at {path}")
-        scheduler, heads = fit_for_device(traj, cost, key, path, log=lambda m: print(m, file=sys.stderr))
+        to_stderr = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        traj, budget = (sets[0], None) if len(sets) == 1 else choose_width(sets, cost, to_stderr)
+        log(f"fitting the scheduler for this device ({key}) from {len(sets)} trajectory set(s), tree width "
+            f"{traj.manifest['tree']['top_k']} ({traj.table.num_rows} rounds); cached at {path}")
+        scheduler, heads = fit_for_device(traj, cost, key, path, log=to_stderr,
+                                          **({} if budget is None else {"budget": budget}))
     check_profile(scheduler, key, f"scheduler artifact {str(path)!r}")
     return scheduler, heads
 
 
 def resolve_scheduler(path: str | Path | None, pair: tuple[str, str] | None, target: CausalLM, target_source: str,
                       middle: CausalLM, middle_source: str, cache_dir: Path, context: list[int], tree: TreeConfig,
-                      log=print, trajectories: str | Path | None = None
+                      log=print, trajectories: str | Path | None = None, any_width: bool = False
                       ) -> tuple[LearnedScheduler, ValueHeads | None] | None:
     """The `treegraft` method's scheduler: the artifact at `path` (refused unless fitted for this device's
     profile), else the one fitted here from `trajectories` or those shipped for `pair`; None if neither
@@ -139,4 +188,4 @@ def resolve_scheduler(path: str | Path | None, pair: tuple[str, str] | None, tar
         check_profile(scheduler, key, f"scheduler artifact {str(path)!r}")
         return scheduler, heads
     return scheduler_for_device(pair, target, target_source, middle, middle_source, cache_dir, context, tree, log,
-                                trajectories)
+                                trajectories, any_width)
