@@ -152,6 +152,8 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
 @pytest.mark.parametrize("argv,needle", [
     (["--benchmarks", "nope"], "unknown benchmark"),
     (["--methods", "ar,fast"], "unknown method"),
+    (["--methods", "ar,treegraft@k0"], "unknown method"),
+    (["--methods", "ar,hf-pld@k4"], "unknown method"),
     (["--budget", "0"], "budget"),
     (["--budget", "lots"], "budget"),
     (["--budget", "all-small=0"], "integer >= 1"),
@@ -251,13 +253,15 @@ def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair
     target, middle = pair
     assert load_artifact(narrow_artifact)[0].width == 3
     cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "treegraft", "treegraft@sized", "treegraft@published",
-                                                     "oracle", "all-mid"],
+                                                     "oracle", "all-mid", "treegraft@k5", "all-mid@k2@sized"],
                      prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "out", budget="auto",
                      cache_dir=tmp_path / "cache", scheduler=narrow_artifact, pair=("tiny-target", "tiny-middle"))
     ev = Evaluation(target, middle, cfg)
     widths = {m: ev._decoder(m, 16).cfg.top_k for m in cfg.methods if m != "ar"}
     # Its own methods at its width; the published settings and the fixed schedules at the published K = 10.
-    assert widths == {"treegraft": 3, "treegraft@sized": 3, "oracle": 3, "treegraft@published": 10, "all-mid": 10}
+    assert widths == {"treegraft": 3, "treegraft@sized": 3, "oracle": 3, "treegraft@published": 10, "all-mid": 10,
+                      "treegraft@k5": 5, "all-mid@k2@sized": 2}  # @kN: that width, side by side
+    assert ev._decoder("all-mid@k2@sized", 16).sizer is not None
     summary = ev.run()
     assert summary.mismatches == []
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()

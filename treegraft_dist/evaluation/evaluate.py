@@ -55,11 +55,14 @@ from .methods import (
     SIZED,
     TREEGRAFT,
     VALUE_PLANNER,
+    WIDTH,
     artifact_base,
     fixed_base,
     is_method,
     is_ours,
     is_sized,
+    width_of,
+    without_width,
 )
 from .peers import PEER_METHODS, run_peer
 from .summary import Summary, summarize
@@ -202,24 +205,26 @@ class Evaluation:
                                             else {"deepen": 0} if SHALLOW in method else {}))
         if artifact_base(method) and PUBLISHED not in method:
             tree = fitted_tree(tree, self.scheduler, budget=False)  # the width it was fitted for
+        if width_of(method) is not None:
+            tree = dataclasses.replace(tree, top_k=width_of(method))
         sizer = None
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
         # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
         return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
-                       sizer=sizer, verify_ms=self.verify_ms() if method == TREEGRAFT + PACED else None)
+                       sizer=sizer, verify_ms=self.verify_ms() if without_width(method) == TREEGRAFT + PACED else None)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, SIZED, PACED)):
+        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, SIZED, PACED, WIDTH)):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
-        if method == ORACLE:
+        if artifact_base(method) == ORACLE:
             return self._oracle(decoder, budget)
-        if method == VALUE_PLANNER:
+        if artifact_base(method) == VALUE_PLANNER:
             return lambda ids, n: decoder.generate(ids, n, ValuePlanner(self.heads, self._call_cap()), self.eos)
         if artifact_base(method) == TREEGRAFT:
             policy = self.scheduler or ShallowTreeHeuristic()
@@ -235,8 +240,7 @@ class Evaluation:
         along the target's greedy decode (under the artifact's cost model and call cap), then the timed
         decode replays the chosen ones."""
         cost = CostModel.from_dict(self.scheduler.info.cost_profile)
-        collector = Collector(self.target.lm, self.middle.lm, fitted_tree(TreeConfig(budget=budget), self.scheduler,
-                                                                        budget=False), cost, (budget,),
+        collector = Collector(self.target.lm, self.middle.lm, decoder.cfg, cost, (budget,),
                               self._call_cap())
 
         def run(ids: list[int], n: int) -> Generation:

@@ -12,7 +12,8 @@
 Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
 n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen); a fixed
 schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
-only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round.
+only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round;
+@kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own.
 """
 
 from __future__ import annotations
@@ -47,14 +48,31 @@ SHALLOW = "@shallow"
 # of pruning to its budget (plain treegraft: the budget its scheduler was fitted for).
 SIZED = "@sized"
 
+# A fixed schedule or treegraft with this suffix and a number (treegraft@k4, all-mid@k4@sized) grows trees of that
+# width K (children per node, frontier size) instead of its own: treegraft's is the width its scheduler was fitted
+# for (scheduling.device.choose_width), a fixed schedule's the published 10. One run compares widths side by side.
+WIDTH = "@k"
+_WIDTH_RE = re.compile(r"@k(\d+)")
+
 # treegraft with this suffix drafts only while drafting pays for the request (sizing.Payoff: plain steps and
 # cheap exploring rounds where it does not), as the server runs a request alone; side by side with treegraft.
 PACED = "@paced"
 
 
+def width_of(m: str) -> int | None:
+    """The tree width a method name asks for with @kN, else None."""
+    found = _WIDTH_RE.search(m)
+    return int(found.group(1)) if found else None
+
+
+def without_width(m: str) -> str:
+    return _WIDTH_RE.sub("", m)
+
+
 def artifact_base(m: str) -> str | None:
     """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized or @paced for treegraft;
     else None."""
+    m = without_width(m)
     if m in ARTIFACT_METHODS:
         return m
     return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED)) else None
@@ -63,16 +81,18 @@ def artifact_base(m: str) -> str | None:
 def fixed_base(m: str) -> str | None:
     """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published or @shallow, then
     @sized), else None."""
-    base = m.removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW)
+    base = without_width(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 
 def is_method(m: str) -> bool:
+    if width_of(m) is not None and (width_of(m) < 1 or len(_WIDTH_RE.findall(m)) > 1):
+        return False
     return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
 
 
 def is_sized(m: str) -> bool:
-    return m.endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
+    return without_width(m).endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
 
 
 def is_ours(m: str) -> bool:
