@@ -30,9 +30,12 @@ eval: $(STAMP)
 # Rebuild the scheduler trajectories that ship for the embedded pair (Ray Data, resumable; bf16 where the
 # CPU runs it natively): every round of 40 prompts under all 32 schedules at every candidate budget. They
 # hold no device costs that matter: each machine fits its own scheduler from them on first use.
+# Two sets, at the published tree width (K = 10) and at K = 4: the fit keeps the width the device decodes fastest.
 TRAJECTORIES := treegraft_dist/data/trajectories/qwen2.5-coder-1.5b+0.5b-instruct
 trajectories: $(STAMP)
 	$(VENV)/bin/treegraft collect --device cpu --prompts-per-benchmark 8 --max-new-tokens 48 --out $(TRAJECTORIES)
+	$(VENV)/bin/treegraft collect --device cpu --tree-k 4 --prompts-per-benchmark 8 --max-new-tokens 48 \
+		--out $(TRAJECTORIES)-k4
 
 # Fast suite, then the end-to-end integration tests (whole commands on a real Ray cluster), then the
 # real-model smoke test (prepares the embedded pair on first use).
