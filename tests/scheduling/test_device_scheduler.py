@@ -41,27 +41,25 @@ def models():
     return CausalLM(model), CausalLM(perturbed_copy(model, 0.2, 4))
 
 
-@pytest.fixture(scope="module")
-def shipped(models, tmp_path_factory):
+def collected(models, folder, tree: TreeConfig):
     """A trajectories folder as `treegraft collect` writes it, collected under a made-up cost model."""
     target, middle = models
     cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
     tok = char_tokenizer()
     prompts = [(bench, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-48:])
                for bench in ("gsm8k", "humaneval", "qa") for q in builtin(bench)[20:22]]
-    return write_trajectories(tmp_path_factory.mktemp("traj"), target, middle, PAIR, prompts, TREE, cost, (1, 4, 16), 10)
+    return write_trajectories(folder, target, middle, PAIR, prompts, tree, cost, (1, 4, 16), 10)
+
+
+@pytest.fixture(scope="module")
+def shipped(models, tmp_path_factory):
+    return collected(models, tmp_path_factory.mktemp("traj"), TREE)
 
 
 @pytest.fixture(scope="module")
 def narrow(models, tmp_path_factory):
     """The same prompts collected at another tree width (K = 3)."""
-    target, middle = models
-    cost = CostModel("elsewhere", 0.2, 0.1, {1: 3.0, 64: 8.0}, {1: 5.0, 4: 5.5, 16: 7.0})
-    tok = char_tokenizer()
-    prompts = [(bench, q.question_id, chat_prompt(tok, [q.turns[0]], [])[-48:])
-               for bench in ("gsm8k", "humaneval", "qa") for q in builtin(bench)[20:22]]
-    return write_trajectories(tmp_path_factory.mktemp("traj3"), target, middle, PAIR, prompts,
-                              dataclasses.replace(TREE, top_k=3), cost, (1, 4, 16), 10)
+    return collected(models, tmp_path_factory.mktemp("traj3"), dataclasses.replace(TREE, top_k=3))
 
 
 @pytest.fixture
