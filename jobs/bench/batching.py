@@ -34,8 +34,8 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import bench_prompts, pair_paths, served_default, start_ray
-from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.scheduler import fitted_tree
 
 
 def run_cell(engine, prompts, tokens, method, eos, one_at_a_time=False):

@@ -32,8 +32,8 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import pair_paths, pin_kernels, served_default, start_ray
-from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.evaluation.benchmarks import builtin, chat_prompt
 from treegraft_dist.models.loading import pick_dtype
 

@@ -47,9 +47,9 @@ import torch
 from actors.engine import DistributedEngine
 from actors.resources import for_device
 from jobs.bench.common import bench_prompts, pair_paths, pin_kernels, served_default, start_ray
-from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import AR_METHOD, Decoder
+from treegraft_dist.decoding.scheduler import fitted_tree
 from treegraft_dist.models import kernels, precision
 from treegraft_dist.models.loading import DTYPES, check_pair, load_model, pick_dtype
 

@@ -86,7 +86,8 @@ def fixed_base(m: str) -> str | None:
 
 
 def is_method(m: str) -> bool:
-    if width_of(m) is not None and (width_of(m) < 1 or len(_WIDTH_RE.findall(m)) > 1):
+    widths = _WIDTH_RE.findall(m)
+    if len(widths) > 1 or widths and int(widths[0]) < 1:
         return False
     return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
 
