@@ -463,3 +463,35 @@ def test_next_frontier_matches_a_reference(n, m, k, seed):
     ends = sorted({int(i) for i in ids} - hung)
     want = sorted(ends, key=lambda i: (-tree.scores[i], i))[:k]
     assert next_frontier(tree, prop, ids, k).tolist() == want
+
+
+@FAST
+@given(st.integers(2, 60), st.integers(1, 70), st.integers(0, 2**31), st.integers(0, 2**31))
+def test_prune_keeps_pinned_nodes_first_shallowest_first_then_the_rest_by_score(n, budget, seed, pick):
+    tree = random_tree(n, seed, decreasing=False)
+    chain = brute_ancestors(tree, 1 + pick % (n - 1))  # a root-to-node path: what a copy's chain pins
+    pins = sorted(set(chain) - {0})
+    tree.pinned[pins] = True
+    pruned, kept = _check_pruned(tree, budget)
+    assert pruned.pinned.tolist() == tree.pinned[kept].tolist()
+    # The pinned path's shallowest budget - 1 nodes, then the others greedily by score, each with its ancestors.
+    want = np.zeros(n, bool)
+    want[0] = True
+    want[pins[: budget - 1]] = True
+    for i in tree.ranked(np.arange(1, n)):
+        missing = [j for j in brute_ancestors(tree, int(i)) if not want[j]]
+        if want.sum() < budget and want.sum() + len(missing) <= budget:
+            want[missing] = True
+    assert kept.tolist() == np.flatnonzero(want).tolist()
+
+
+def test_a_grafted_proposal_pins_its_marked_entries_and_an_existing_node_it_meets():
+    tree = DraftTree(7)
+    tree.graft(Proposal(1, np.array([0, 0]), np.array([3, 5]), np.array([-0.1, -0.2]), ORIGIN_MIDDLE), 1)
+    ids = tree.graft(Proposal(3, np.array([0, 3, 1]), np.array([3, 4, 9]), np.array([-0.3, -0.4, -9.0]),
+                              ORIGIN_NGRAM, pinned=np.array([True, True, False])), 2)
+    assert ids.tolist() == [1, 3, 4]
+    assert tree.pinned[: tree.size].tolist() == [False, True, False, True, False]
+    # Budget 3 keeps the pinned path 7 -> 3 -> 4 though 5 outscores 4.
+    assert tree.prune(3)[1].tolist() == [0, 1, 3]
+    assert tree.copy().pinned[: tree.size].tolist() == tree.pinned[: tree.size].tolist()

@@ -16,7 +16,8 @@ class TreeConfig:
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
     settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
     timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
-    whole prompt, the published settings; see neural.py)."""
+    whole prompt, the published settings; see neural.py); pin_copy = a long chain behind a match of max_n tokens
+(a copy) is verified ahead of the nodes ranked by score (ngram.py)."""
 
     depth: int = 5
     top_k: int = 10
@@ -29,6 +30,7 @@ class TreeConfig:
     deepen: int = 0
     deepen_cost: float | None = None
     middle_window: int = 256
+    pin_copy: bool = True
 
     def __post_init__(self):
         for name in ("depth", "top_k", "budget", "max_n"):

@@ -10,8 +10,10 @@ Long chains (an extension beyond the published settings, `long_chain` > 0): at t
 layer (the first layer, or the first after the middle drafter's) the best match of the best-scored frontier
 node (the root at layer 1) carries up to `long_chain` tokens of what followed it, past the depth the layers
 would reach. Where text repeats (code edits, summaries quoting their source) a round can then accept
-a whole copied span, as prompt lookup decoding does; a chain is cheap to verify, and pruning by score
-drops it where the target's prefill log-probs say the copy is unlikely to continue.
+a whole copied span, as prompt lookup decoding does. Where the match is a copy (max_n tokens long, here or
+in the history) the chain is pinned (`pin_copy`): pruning keeps it ahead of the nodes it ranks by score, so
+a round verifies the copy as far as the budget reaches, however the prompt's own log-probs score it. A
+chain behind a shorter match is ranked by score like any other node.
 
 History (beyond the paper, for a server): a `HistoryIndex` holds earlier requests' prompts and outputs,
 bounded in tokens, least recently used out. Where a node's suffix also occurs there (at least
@@ -226,12 +228,13 @@ class NGramDrafter:
     fallback_steps = 0
 
     def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0,
-                 history: HistoryIndex | None = None):
+                 history: HistoryIndex | None = None, pin_copy: bool = True):
         self.top_k = top_k
         self.max_n = max_n
         self.chain = chain
         self.depth = depth
         self.long_chain = long_chain
+        self.pin_copy = pin_copy
         self.history = history  # earlier requests' sequences, matched after this request's own context
         self.index = NGramIndex(max_n)
         self.prefill: PrefillCache | None = None
@@ -239,7 +242,7 @@ class NGramDrafter:
     @classmethod
     def from_config(cls, cfg) -> "NGramDrafter":
         """The drafter a TreeConfig describes."""
-        return cls(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain)
+        return cls(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain, pin_copy=cfg.pin_copy)
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.index = NGramIndex(self.max_n)
@@ -289,7 +292,7 @@ class NGramDrafter:
             long_from = int(frontier[np.argmax(tree.scores[frontier])])
         ctx = self.index.tokens
         n_ngram_children = None
-        parents, tokens, scores = [], [], []
+        parents, tokens, scores, pins = [], [], [], []
         base = tree.size
         for f in frontier:
             f = int(f)
@@ -316,13 +319,19 @@ class NGramDrafter:
                     parents.append(f)
                     tokens.append(self.index.most_frequent)
                     scores.append(tree.scores[f] + (self.prefill.floor if self.prefill else 0.0))
+                    pins.append(False)
                 continue
             long = f == long_from and (f == 0 or ranked[0][0] >= self.max_n)
+            # A copy (a match of max_n tokens) under way: its chain is pinned, verified ahead of nodes ranked by
+            # score, whose scores (the prompt's own log-probs where it was written) say little of whether
+            # the copy goes on.
+            copy = self.pin_copy and long and ranked[0][0] >= self.max_n
             for rank, (_, is_own, _, lp, seq, p) in enumerate(ranked):
                 score = tree.scores[f] + lp
                 parents.append(f)
                 tokens.append(seq[p])
                 scores.append(score)
+                pins.append(copy and rank == 0)
                 # Only the best match carries its chain: enough depth without multiplying the tree.
                 chain_end = p + 1 + (self.long_chain if long else max_chain) if rank == 0 else p + 1
                 for q in range(p + 1, min(chain_end, len(seq))):
@@ -331,5 +340,6 @@ class NGramDrafter:
                     parents.append(parent)
                     tokens.append(seq[q])
                     scores.append(score)
+                    pins.append(copy)
         return Proposal(base, np.asarray(parents, np.int64), np.asarray(tokens, np.int64),
-                        np.asarray(scores, np.float64), ORIGIN_NGRAM)
+                        np.asarray(scores, np.float64), ORIGIN_NGRAM, pinned=np.asarray(pins, bool) if any(pins) else None)

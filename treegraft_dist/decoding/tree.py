@@ -27,7 +27,7 @@ ORIGIN_MIDDLE = 2
 ORIGIN_NAMES = {ORIGIN_ROOT: "root", ORIGIN_NGRAM: "ngram", ORIGIN_MIDDLE: "middle"}
 
 _INITIAL_CAPACITY = 128
-_ARRAYS = ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded")
+_ARRAYS = ("tokens", "parents", "depths", "scores", "origins", "layers", "expanded", "pinned")
 
 
 @dataclass
@@ -36,7 +36,8 @@ class Proposal:
 
     `parents[j]` is either an existing node id (< `base`) or `base + i` for an earlier entry i < j of the
     same proposal, so a drafter can propose whole chains. `rescore`, when set, replaces the scores of
-    the first `base` nodes before anything is grafted.
+    the first `base` nodes before anything is grafted. `pinned`, when set, marks the entries pruning keeps
+    before any other node (a copied span, NGramDrafter.step; DraftTree.prune).
     """
 
     base: int
@@ -45,6 +46,7 @@ class Proposal:
     scores: np.ndarray  # [n] float64
     origin: int
     rescore: np.ndarray | None = None  # [base] float64
+    pinned: np.ndarray | None = None  # [n] bool
 
     @classmethod
     def empty(cls, base: int, origin: int) -> "Proposal":
@@ -68,6 +70,8 @@ class DraftTree:
         self.layers = np.zeros(capacity, np.int8)
         # Bit (1 << origin) is set once a drafter of that origin has expanded the node.
         self.expanded = np.zeros(capacity, np.int8)
+        # Kept by pruning before any node ranked by score: a copied span's chain (Proposal.pinned).
+        self.pinned = np.zeros(capacity, bool)
         self._child: dict[tuple[int, int], int] = {}
         self._append(NO_PARENT, int(root_token), 0.0, ORIGIN_ROOT, 0)
 
@@ -83,6 +87,7 @@ class DraftTree:
         self.origins[i] = origin
         self.layers[i] = layer
         self.expanded[i] = 0
+        self.pinned[i] = False
         if parent != NO_PARENT:
             self._child[(parent, token)] = i
         self.size += 1
@@ -129,6 +134,8 @@ class DraftTree:
             else:
                 ids[j] = existing
                 self.scores[existing] = proposal.scores[j]
+        if proposal.pinned is not None:
+            self.pinned[ids[proposal.pinned]] = True
         return ids
 
     # -- views ----------------------------------------------------------------------------------------
@@ -235,7 +242,8 @@ class DraftTree:
         return self.ranked(self.expanded_pool(frontier, lookback, origin), scores)[:k]
 
     def prune(self, budget: int) -> tuple["DraftTree", np.ndarray]:
-        """Keep at most `budget` nodes (root included) by score, always with all their ancestors.
+        """Keep at most `budget` nodes (root included) by score, always with all their ancestors; pinned
+        nodes (a copied span) first, shallowest first, then the others by score.
 
         Returns the pruned tree (ids renumbered, order preserved) and `kept`, the original id of each
         of its nodes ([pruned size] int64, ascending).
@@ -243,6 +251,10 @@ class DraftTree:
         if budget < 1:
             raise ValueError(f"tree budget must be at least 1 (the root), got {budget}")
         ranked = self.ranked(np.arange(1, self.size))
+        pins = np.flatnonzero(self.pinned[1 : self.size]) + 1  # ascending ids: every pin after its ancestors
+        if len(pins):
+            kept = np.flatnonzero(self._keep_greedy(np.concatenate([pins, ranked]), budget))
+            return self.subtree(kept), kept
         keep = np.zeros(self.size, bool)
         keep[0] = True
         top = ranked[: budget - 1]
@@ -255,7 +267,8 @@ class DraftTree:
         return self.subtree(kept), kept
 
     def _keep_greedy(self, ranked: np.ndarray, budget: int) -> np.ndarray:
-        """[size] bool: nodes taken best first, each with its missing ancestors when all of them fit."""
+        """[size] bool: nodes taken in the order of `ranked`, each with its missing ancestors when all of
+        them fit."""
         keep = np.zeros(self.size, bool)
         keep[0] = True
         count = 1
@@ -280,7 +293,7 @@ class DraftTree:
         remap = np.full(self.size, NO_PARENT, np.int64)
         remap[kept] = np.arange(m)
         out = DraftTree(int(self.tokens[0]), capacity=max(m, 1))
-        for name in ("tokens", "depths", "scores", "origins", "layers", "expanded"):
+        for name in ("tokens", "depths", "scores", "origins", "layers", "expanded", "pinned"):
             getattr(out, name)[:m] = getattr(self, name)[kept]
         out.parents[1:m] = remap[self.parents[kept[1:]]]
         out.size = m

@@ -54,6 +54,7 @@ from .methods import (
     SHALLOW,
     SIZED,
     TREEGRAFT,
+    UNPINNED,
     VALUE_PLANNER,
     WIDTH,
     artifact_base,
@@ -100,7 +101,8 @@ class EvalConfig:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
-                                 f"{SHALLOW}: no deepening layers; with {SIZED}: trees sized per round)")
+                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; with {SIZED}: "
+                                 "trees sized per round)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
@@ -202,7 +204,8 @@ class Evaluation:
 
     def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
         tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0, "middle_window": 0} if PUBLISHED in method
-                                            else {"deepen": 0} if SHALLOW in method else {}))
+                                            else {"deepen": 0} if SHALLOW in method
+                                            else {"pin_copy": False} if UNPINNED in method else {}))
         if artifact_base(method) and PUBLISHED not in method:
             tree = fitted_tree(tree, self.scheduler, budget=False)  # the width it was fitted for
         if width_of(method) is not None:
@@ -219,7 +222,7 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, SIZED, PACED, WIDTH)):
+        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH)):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if artifact_base(method) == ORACLE:

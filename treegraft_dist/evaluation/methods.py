@@ -10,7 +10,8 @@
   hf-assisted, hf-pld     the peers, run by transformers' own `generate` (peers.py).
 
 Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
-n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen); a fixed
+n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen), with @unpinned
+without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_copy); a fixed
 schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
 only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round;
 @kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own.
@@ -41,6 +42,10 @@ PUBLISHED = "@published"
 # A fixed schedule or treegraft with this suffix never drafts past its depth (deepen = 0, as TreeConfig's default
 # is now: deepening measured no faster on an AVX2 EPYC in fp32 and is off by default; see engine.deepening).
 SHALLOW = "@shallow"
+
+# A fixed schedule or treegraft with this suffix prunes a copy's long chain by score like any other node
+# (pin_copy = False; by default a chain behind a match of max_n tokens is verified first: ngram.py).
+UNPINNED = "@unpinned"
 
 
 # A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
@@ -75,13 +80,13 @@ def artifact_base(m: str) -> str | None:
     m = without_width(m)
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED)) else None
+    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED)) else None
 
 
 def fixed_base(m: str) -> str | None:
-    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published or @shallow, then
+    """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @shallow or @unpinned, then
     @sized), else None."""
-    base = without_width(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW)
+    base = without_width(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW).removesuffix(UNPINNED)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 
