@@ -40,13 +40,13 @@ class NGramSpec:
     depth: int
     long_chain: int
     history_tokens: int = 0  # > 0: the host keeps a HistoryIndex of finished requests this big
-    pin_copy: bool = True  # TreeConfig.pin_copy
+    pin_match: int = 2  # TreeConfig.pin_match
 
     def load(self, device: str):
         return None
 
     def new(self, lm) -> NGramDrafter:
-        return NGramDrafter(self.top_k, self.max_n, self.chain, self.depth, self.long_chain, pin_copy=self.pin_copy)
+        return NGramDrafter(self.top_k, self.max_n, self.chain, self.depth, self.long_chain, pin_match=self.pin_match)
 
     def history(self) -> HistoryIndex | None:
         return HistoryIndex(self.history_tokens, self.max_n) if self.history_tokens > 0 else None

@@ -100,5 +100,5 @@ class DrafterActors:
     def _spawn_ngram(self):
         cfg = self.cfg
         return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain,
-                                    self.res.history_tokens, cfg.pin_copy), NGRAM_BUNDLE,
+                                    self.res.history_tokens, cfg.pin_match), NGRAM_BUNDLE,
                           self.res.ngram_cpus, 0, "cpu")

@@ -419,13 +419,14 @@ def test_a_copy_pins_its_long_chain_and_nothing_else():
     # "7 9 1 2" ends the context and occurred before, followed by 3 4 5 6 8 11 13 ...
     ctx = [7, 9, 1, 2, 3, 4, 5, 6, 8, 11, 13, 2, 7, 9, 1, 2]
     prop = drafter(ctx, None, long_chain=6, max_n=4).step(DraftTree(ctx[-1]), np.array([0]), 1)
-    # The copy (a 4-token match at max_n 4): 3 and its chain, pinned; "2" -> 7 (a 1-token match) is not.
+    # The copy (a 4-token match, at least pin_match 2): 3 and its chain, pinned; "2" -> 7 (1 token) is not.
     assert [(par, tok) for (par, tok), pin in zip(entries(prop), prop.pinned) if pin] == [
         (0, 3), (1, 4), (2, 5), (3, 6), (4, 8), (5, 11), (6, 13)]
     assert (0, 7) in entries(prop) and prop.pinned.sum() == 7
     tree = DraftTree(ctx[-1])
     tree.graft(prop, 1)
     assert tree.prune(5)[0].token_list().tolist() == [2, 3, 4, 5, 6]  # the copy first, whatever the scores
-    # No pins without a copy (a match shorter than max_n), without long chains, or with pinning off.
-    for kw in ({"max_n": 5}, {"max_n": 4, "long_chain": 0}, {"max_n": 4, "pin_copy": False}):
-        assert drafter(ctx, None, **{"long_chain": 6, **kw}).step(DraftTree(ctx[-1]), np.array([0]), 1).pinned is None
+    # No pins behind a match shorter than pin_match (the root's best match here is 4 tokens; after "... 13 8" only
+    # "8" matches), without long chains, or with pinning off.
+    for c, kw in ((ctx, {"pin_match": 5}), (ctx + [8], {}), (ctx, {"long_chain": 0}), (ctx, {"pin_match": 0})):
+        assert drafter(c, None, **{"long_chain": 6, "max_n": 4, **kw}).step(DraftTree(c[-1]), np.array([0]), 1).pinned is None

@@ -310,7 +310,7 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
     assert ev._decoder("all-small", 16).cfg.middle_window == TreeConfig().middle_window > 0
     shallow = ev._decoder("all-mid@shallow", 16).cfg
     assert shallow.long_chain > 0 and shallow.deepen == 0 and TreeConfig(deepen=10).deepen == 10
-    assert ev._decoder("all-small", 16).cfg.pin_copy and not ev._decoder("all-small@unpinned", 16).cfg.pin_copy
+    assert ev._decoder("all-small", 16).cfg.pin_match == 2 and ev._decoder("all-small@unpinned", 16).cfg.pin_match == 0
     summary = ev.run()
     assert summary.mismatches == []
     assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}

@@ -16,8 +16,8 @@ class TreeConfig:
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
     settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
     timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
-    whole prompt, the published settings; see neural.py); pin_copy = a long chain behind a match of max_n tokens
-(a copy) is verified ahead of the nodes ranked by score (ngram.py)."""
+    whole prompt, the published settings; see neural.py); pin_match = a long chain behind a match of at least
+this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none; ngram.py)."""
 
     depth: int = 5
     top_k: int = 10
@@ -30,13 +30,13 @@ class TreeConfig:
     deepen: int = 0
     deepen_cost: float | None = None
     middle_window: int = 256
-    pin_copy: bool = True
+    pin_match: int = 2
 
     def __post_init__(self):
         for name in ("depth", "top_k", "budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("lookback", "chain", "long_chain", "deepen", "middle_window"):
+        for name in ("lookback", "chain", "long_chain", "deepen", "middle_window", "pin_match"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.call_budget is not None and self.call_budget < 0:

@@ -10,10 +10,10 @@ Long chains (an extension beyond the published settings, `long_chain` > 0): at t
 layer (the first layer, or the first after the middle drafter's) the best match of the best-scored frontier
 node (the root at layer 1) carries up to `long_chain` tokens of what followed it, past the depth the layers
 would reach. Where text repeats (code edits, summaries quoting their source) a round can then accept
-a whole copied span, as prompt lookup decoding does. Where the match is a copy (max_n tokens long, here or
-in the history) the chain is pinned (`pin_copy`): pruning keeps it ahead of the nodes it ranks by score, so
-a round verifies the copy as far as the budget reaches, however the prompt's own log-probs score it. A
-chain behind a shorter match is ranked by score like any other node.
+a whole copied span, as prompt lookup decoding does. Where the chain follows a match of at least `pin_match`
+tokens (2, as prompt lookup matches; here or in the history) it is pinned: pruning keeps it ahead of the nodes
+it ranks by score, so a round verifies the copy as far as the budget reaches, however the prompt's own
+log-probs score it. A chain behind a shorter match is ranked by score like any other node.
 
 History (beyond the paper, for a server): a `HistoryIndex` holds earlier requests' prompts and outputs,
 bounded in tokens, least recently used out. Where a node's suffix also occurs there (at least
@@ -228,13 +228,13 @@ class NGramDrafter:
     fallback_steps = 0
 
     def __init__(self, top_k: int = 10, max_n: int = 5, chain: int = 4, depth: int = 5, long_chain: int = 0,
-                 history: HistoryIndex | None = None, pin_copy: bool = True):
+                 history: HistoryIndex | None = None, pin_match: int = 2):
         self.top_k = top_k
         self.max_n = max_n
         self.chain = chain
         self.depth = depth
         self.long_chain = long_chain
-        self.pin_copy = pin_copy
+        self.pin_match = pin_match
         self.history = history  # earlier requests' sequences, matched after this request's own context
         self.index = NGramIndex(max_n)
         self.prefill: PrefillCache | None = None
@@ -242,7 +242,7 @@ class NGramDrafter:
     @classmethod
     def from_config(cls, cfg) -> "NGramDrafter":
         """The drafter a TreeConfig describes."""
-        return cls(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain, pin_copy=cfg.pin_copy)
+        return cls(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain, pin_match=cfg.pin_match)
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
         self.index = NGramIndex(self.max_n)
@@ -322,10 +322,10 @@ class NGramDrafter:
                     pins.append(False)
                 continue
             long = f == long_from and (f == 0 or ranked[0][0] >= self.max_n)
-            # A copy (a match of max_n tokens) under way: its chain is pinned, verified ahead of nodes ranked by
-            # score, whose scores (the prompt's own log-probs where it was written) say little of whether
-            # the copy goes on.
-            copy = self.pin_copy and long and ranked[0][0] >= self.max_n
+            # A copy (a match of at least pin_match tokens) under way: its chain is pinned, verified ahead of the
+            # nodes ranked by score, whose scores (the prompt's own log-probs where it was written) say little of
+            # whether the copy goes on.
+            copy = long and 0 < self.pin_match <= ranked[0][0]
             for rank, (_, is_own, _, lp, seq, p) in enumerate(ranked):
                 score = tree.scores[f] + lp
                 parents.append(f)

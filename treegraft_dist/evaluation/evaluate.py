@@ -205,7 +205,7 @@ class Evaluation:
     def _decoder(self, method: str, budget: int, probes: tuple[int, ...] = ()) -> Decoder:
         tree = TreeConfig(budget=budget, **({"long_chain": 0, "deepen": 0, "middle_window": 0} if PUBLISHED in method
                                             else {"deepen": 0} if SHALLOW in method
-                                            else {"pin_copy": False} if UNPINNED in method else {}))
+                                            else {"pin_match": 0} if UNPINNED in method else {}))
         if artifact_base(method) and PUBLISHED not in method:
             tree = fitted_tree(tree, self.scheduler, budget=False)  # the width it was fitted for
         if width_of(method) is not None:

@@ -11,7 +11,7 @@
 
 Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
 n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen), with @unpinned
-without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_copy); a fixed
+without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_match); a fixed
 schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
 only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round;
 @kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own.
@@ -44,7 +44,7 @@ PUBLISHED = "@published"
 SHALLOW = "@shallow"
 
 # A fixed schedule or treegraft with this suffix prunes a copy's long chain by score like any other node
-# (pin_copy = False; by default a chain behind a match of max_n tokens is verified first: ngram.py).
+# (pin_match = 0; by default a long chain behind a match of 2 tokens or more is verified first: ngram.py).
 UNPINNED = "@unpinned"
 
 
