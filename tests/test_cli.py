@@ -61,6 +61,7 @@ def test_generate_with_sampling_and_chat(pair_dirs, capsys):
     (["--deepen", "-1"], "--deepen"),
     (["--tree-k", "0"], "--tree-k"),
     (["--middle-window", "-1"], "--middle-window"),
+    (["--pin-match", "-1"], "--pin-match"),
     (["--method", "01x01"], "pattern"),
     (["--method", "0101"], "pattern"),
     (["--max-new-tokens", "-3"], "max-new-tokens"),

@@ -103,6 +103,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--middle-window", type=int, default=d.middle_window,
                    help="prompt tokens the middle drafter reads, the last ones (default %(default)s; 0 = the whole "
                         "prompt, the published settings)")
+    p.add_argument("--pin-match", type=int, default=d.pin_match,
+                   help="a long chain behind an n-gram match of at least this many tokens (a copy) is verified ahead "
+                        "of the nodes ranked by score (default %(default)s; 0 = never)")
 
 
 def tree_config(args) -> TreeConfig:
@@ -115,11 +118,14 @@ def tree_config(args) -> TreeConfig:
         raise UsageError(f"--deepen must be >= 0, got {args.deepen}")
     if args.middle_window < 0:
         raise UsageError(f"--middle-window must be >= 0 (0: the whole prompt), got {args.middle_window}")
+    if args.pin_match < 0:
+        raise UsageError(f"--pin-match must be >= 0 (0: never pin a copy's chain), got {args.pin_match}")
     if args.tree_k is not None and args.tree_k < 1:
         raise UsageError(f"--tree-k must be at least 1, got {args.tree_k}")
     return TreeConfig(depth=args.depth, top_k=TreeConfig.top_k if args.tree_k is None else args.tree_k,
                       lookback=args.lookback, budget=budget,
-                      long_chain=args.long_chain, deepen=args.deepen, middle_window=args.middle_window)
+                      long_chain=args.long_chain, deepen=args.deepen, middle_window=args.middle_window,
+                      pin_match=args.pin_match)
 
 
 def load_pair(args, need_middle: bool):
