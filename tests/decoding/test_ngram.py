@@ -429,4 +429,5 @@ def test_a_copy_pins_its_long_chain_and_nothing_else():
     # No pins behind a match shorter than pin_match (the root's best match here is 4 tokens; after "... 13 8" only
     # "8" matches), without long chains, or with pinning off.
     for c, kw in ((ctx, {"pin_match": 5}), (ctx + [8], {}), (ctx, {"long_chain": 0}), (ctx, {"pin_match": 0})):
-        assert drafter(c, None, **{"long_chain": 6, "max_n": 4, **kw}).step(DraftTree(c[-1]), np.array([0]), 1).pinned is None
+        d = drafter(c, None, **{"long_chain": 6, "max_n": 4, **kw})
+        assert d.step(DraftTree(c[-1]), np.array([0]), 1).pinned is None

@@ -314,7 +314,8 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
     summary = ev.run()
     assert summary.mismatches == []
     assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}
-    EvalConfig(methods=["treegraft@published", "treegraft@shallow", "all-mid@shallow", "treegraft@unpinned"])  # all known
+    EvalConfig(methods=["treegraft@published", "treegraft@shallow", "all-mid@shallow",
+                        "treegraft@unpinned"])  # all known
     with pytest.raises(ValueError, match="unknown method"):
         EvalConfig(methods=["treegraft@shallow@published"])
 

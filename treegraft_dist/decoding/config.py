@@ -17,7 +17,7 @@ class TreeConfig:
     settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
     timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
     whole prompt, the published settings; see neural.py); pin_match = a long chain behind a match of at least
-this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none; ngram.py)."""
+    this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none; ngram.py)."""
 
     depth: int = 5
     top_k: int = 10

@@ -342,4 +342,5 @@ class NGramDrafter:
                     scores.append(score)
                     pins.append(copy)
         return Proposal(base, np.asarray(parents, np.int64), np.asarray(tokens, np.int64),
-                        np.asarray(scores, np.float64), ORIGIN_NGRAM, pinned=np.asarray(pins, bool) if any(pins) else None)
+                        np.asarray(scores, np.float64), ORIGIN_NGRAM,
+                        pinned=np.asarray(pins, bool) if any(pins) else None)

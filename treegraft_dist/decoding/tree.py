@@ -293,8 +293,9 @@ class DraftTree:
         remap = np.full(self.size, NO_PARENT, np.int64)
         remap[kept] = np.arange(m)
         out = DraftTree(int(self.tokens[0]), capacity=max(m, 1))
-        for name in ("tokens", "depths", "scores", "origins", "layers", "expanded", "pinned"):
-            getattr(out, name)[:m] = getattr(self, name)[kept]
+        for name in _ARRAYS:
+            if name != "parents":  # renumbered below
+                getattr(out, name)[:m] = getattr(self, name)[kept]
         out.parents[1:m] = remap[self.parents[kept[1:]]]
         out.size = m
         out._child = dict(zip(zip(out.parents[1:m].tolist(), out.tokens[1:m].tolist()), range(1, m)))

@@ -101,8 +101,8 @@ class EvalConfig:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
-                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; with {SIZED}: "
-                                 "trees sized per round)")
+                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; "
+                                 f"with {SIZED}: trees sized per round)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
@@ -222,7 +222,8 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        if self.engine is not None and any(tag in method for tag in (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH)):
+        suffixes = (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH)
+        if self.engine is not None and any(tag in method for tag in suffixes):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)
         if artifact_base(method) == ORACLE:
