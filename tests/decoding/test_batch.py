@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny import VOCAB, hf_greedy, tiny_pair
 
+from treegraft_dist.decoding import verify
 from treegraft_dist.decoding.batch import ERROR, INPUT, PREFILL, STEP, VERIFY, BatchedTarget, ItemFailed, Work
 from treegraft_dist.decoding.errors import RequestFailed
 from treegraft_dist.decoding.sampling import SamplingParams
@@ -30,13 +31,15 @@ def chain_tree(root: int, tokens: list[int], wrong_sibling: int | None = None) -
     return tree
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mixed_passes_equal_each_request_alone(arch):
+@pytest.mark.parametrize("arch,window", [("llama", 0), ("qwen3", 10)])
+def test_mixed_passes_equal_each_request_alone(arch, window, monkeypatch):
     target, _ = tiny_pair(arch)
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 30, 13, 1)]
     new = 24
     oracle = [hf_greedy(target, p, new) for p in prompts]
+    whole = [TargetVerifier(target, SamplingParams()).prefill(p)[1] for p in prompts]  # every row scored
+    monkeypatch.setattr(verify, "PREFILL_SCORE_WINDOW", window)  # 10: the 30-token prompt's last 10, across chunks
     batch = BatchedTarget(target, SamplingParams())
     chunk = 8
     state = [{"next": 0, "out": [], "done": False} for _ in prompts]
@@ -65,7 +68,9 @@ def test_mixed_passes_equal_each_request_alone(arch):
             if w.kind == PREFILL:
                 if result is not None:
                     first, cache = result
-                    assert cache.tokens.shape == (len(prompts[w.rid]), 10)
+                    start = max(0, len(prompts[w.rid]) - window) if window else 0
+                    assert cache.start == start and cache.tokens.shape == (len(prompts[w.rid]) - start, 10)
+                    np.testing.assert_array_equal(cache.tokens, whole[w.rid].tokens[start:])
                     s["out"].append(first)
             elif w.kind == STEP:
                 s["out"].append(result)

@@ -136,6 +136,10 @@ def test_prefill_logprob():
     assert cache.logprob(0, 5) == 0.0
     assert cache.logprob(4, 9) == 0.0  # beyond the prompt: nothing cached
     assert cache.logprob(100, 9) == 0.0
+    later = PrefillCache(cache.tokens[1:], cache.logprobs[1:], start=1)  # row 0 not stored
+    assert later.logprob(1, 5) == 0.0  # nothing stored: scored as generated text is
+    assert later.logprob(2, 8) == -1.5 and later.logprob(3, 9) == -0.2 and later.logprob(3, 99) == later.floor
+    assert later.logprob(4, 9) == 0.0
 
 
 # -- NGramDrafter.step --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from treegraft_dist.decoding.schedule import fixed_schedule
 from treegraft_dist.decoding.stats import PhaseTimer, RequestStats
 from treegraft_dist.decoding.tree import ORIGIN_MIDDLE, ORIGIN_NGRAM, DraftTree, Proposal
 from treegraft_dist.decoding.verify import TargetVerifier, tree_attention
+from treegraft_dist.models import hf
 from treegraft_dist.models.hf import CausalLM, cache_len
 
 
@@ -83,6 +84,24 @@ def test_block_and_causal_masks_equal_their_full_width_forms(dtype):
     # A full-width mask may hide cached positions too (the middle drafter's does).
     full[:, 2] = False
     assert torch.equal(lm._additive_mask(n, past, full), want.masked_fill(~full, lowest))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_on_the_causal_path_without_a_mask_equals_the_explicit_mask(dtype):
+    lm = CausalLM(tiny_model("llama").to(dtype))
+    rng = random.Random(3)
+    prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(3 * hf.SMALL_BLOCK)])
+    positions = torch.arange(len(prompt))
+    caches = [lm.new_cache(), lm.new_cache()]
+    h_causal = lm.hidden(caches[0], prompt, positions)  # an empty cache: no mask tensor
+    full = torch.ones((len(prompt), len(prompt)), dtype=torch.bool).tril_()
+    h_mask = lm.hidden(caches[1], prompt, positions, full)  # the same mask, explicit
+    torch.testing.assert_close(h_causal, h_mask, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+    # the next block sees the prompt alike either way
+    step = [lm.logits(lm.hidden(c, torch.tensor([5]), torch.tensor([len(prompt)]))) for c in caches]
+    torch.testing.assert_close(step[0], step[1], rtol=0, atol=1e-4 if dtype == torch.float32 else 5e-2)
 
 
 def test_target_cache_after_rounds_equals_one_plain_forward():

@@ -39,13 +39,16 @@ OUTSIDE_TOPK_PENALTY = 5.0
 
 @dataclass
 class PrefillCache:
-    """The target's top-k next-token log-probs at every prompt position, stored during prefill.
+    """The target's top-k next-token log-probs at the prompt's positions from `start` on, stored during prefill
+    (verify.PREFILL_SCORE_WINDOW: a long prompt's last positions only).
 
-    Row i is the distribution of the token at position i + 1 given tokens 0..i.
+    Row i is the distribution of the token at position start + i + 1 given tokens 0..start + i. A position
+    before `start` scores 0, as the context past the prompt does: nothing was stored for it.
     """
 
-    tokens: np.ndarray  # [prompt_len, k] int64
-    logprobs: np.ndarray  # [prompt_len, k] float64
+    tokens: np.ndarray  # [prompt_len - start, k] int64
+    logprobs: np.ndarray  # [prompt_len - start, k] float64
+    start: int = 0  # the prompt row of tokens[0]
 
     def __post_init__(self):
         self.floor = float(self.logprobs.min()) - OUTSIDE_TOPK_PENALTY if self.logprobs.size else 0.0
@@ -55,8 +58,9 @@ class PrefillCache:
         self._logprobs = self.logprobs.tolist()
 
     def logprob(self, position: int, token: int) -> float:
-        """Target log-prob of `token` at context `position`; 0 beyond the prompt (nothing cached)."""
-        row = position - 1
+        """Target log-prob of `token` at context `position`; 0 where nothing was stored (before `start`, beyond
+        the prompt)."""
+        row = position - 1 - self.start
         if row < 0 or row >= len(self._tokens):
             return 0.0
         tokens = self._tokens[row]
