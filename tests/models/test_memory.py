@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import char_tokenizer, save_tiny, tiny_model
 
-from treegraft_dist.models import compact, kernels
+from treegraft_dist.models import compact, kernels, loading
 from treegraft_dist.models.kernels import LINEAR_ENV
 from treegraft_dist.models.loading import load_model, own_memory
 from treegraft_dist.models.pages import drop_file_pages
@@ -110,3 +110,31 @@ def test_dropped_checkpoint_pages_leave_the_process_and_read_back_from_the_file(
     own = torch.arange(1 << 20, dtype=torch.float32)
     assert drop_file_pages([own]) == 0 and float(own[-1]) == (1 << 20) - 1
     del weight
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_wider_checkpoint_is_narrowed_parameter_by_parameter_as_transformers_would_load_it(tmp_path, arch,
+                                                                                         monkeypatch):
+    """An fp32 checkpoint loaded in bf16 loads at its own dtype and each parameter is cast on its own
+    (loading.narrow), so the whole file is never resident beside the narrowed weights: the model equals
+    transformers' own bf16 load in every parameter and buffer, dtype and value, ties included."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(arch, seed=6)
+    assert model.dtype == torch.float32
+    folder = save_tiny(tmp_path / "m", model, char_tokenizer())
+    narrowed = []
+    monkeypatch.setattr(loading, "narrow", lambda m, dtype, _narrow=loading.narrow: narrowed.append(dtype)
+                        or _narrow(m, dtype))
+    ours = load_model(folder, "cpu", "bfloat16", pack=False).lm.model
+    assert narrowed == [torch.bfloat16]
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert ours.config.dtype == torch.bfloat16
+    for mine, want in [(dict(ours.named_parameters()), dict(theirs.named_parameters())),
+                       (dict(ours.named_buffers()), dict(theirs.named_buffers()))]:
+        assert mine.keys() == want.keys()
+        for name, t in mine.items():
+            assert t.dtype == want[name].dtype and torch.equal(t, want[name]), name
+    assert all(p.untyped_storage().resizable() for p in ours.parameters())  # cast copies, not views of the file
+    tied = ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    assert tied == (theirs.get_output_embeddings().weight is theirs.get_input_embeddings().weight)
