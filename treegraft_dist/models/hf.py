@@ -204,8 +204,9 @@ class CausalLM:
 
         `attend` of width n covers the new block only: every cached position is visible to every row.
         The mask is explicit but for a causal block over an empty cache (a prompt). On a CPU a block of up to
-        SMALL_BLOCK rows (a plain step, a small tree) attends as a batched pass's blocks do (`small_block_attention`: 137 against
-        144 ms for a one-token step of the 1.5B target over 250 cached tokens, 144 against 177 over 1,000).
+        SMALL_BLOCK rows (a plain step, a small tree) attends as a batched pass's blocks do
+        (`small_block_attention`: 137 against 144 ms for a one-token step of the 1.5B target over 250 cached
+        tokens, 144 against 177 over 1,000).
         """
         if self.device.type == "cpu" and len(input_ids) <= SMALL_BLOCK:
             return self.hidden_blocks([cache], [input_ids], [positions], [attend])
