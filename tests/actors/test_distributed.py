@@ -18,6 +18,7 @@ from tiny import VOCAB, char_tokenizer, hf_greedy, perturbed_copy, save_tiny, ti
 from actors.engine import DistributedEngine
 from actors.resources import PlacementError, Resources
 from actors.target import TargetGroupError
+from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
 from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
 from treegraft_dist.models.hf import CausalLM
@@ -270,3 +271,35 @@ def test_cli_generate_and_eval_distributed(cluster, pairs, tmp_path, capsys):
     assert code == 0
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert len(rows) == 3 and all(r["lossless"] for r in rows)
+
+
+
+DEEP_TREE = TreeConfig(deepen=6, deepen_cost=0.05)
+
+
+@pytest.fixture(scope="class")
+def sure(cluster, tmp_path_factory):
+    """An engine over a peaky target and a middle drafter that is its exact copy (sure, and right), with
+    deepening on and priced cheap; the target and the same decoding in one process."""
+    folder = tmp_path_factory.mktemp("sure")
+    model = tiny_model("llama", init=0.6)
+    tok = char_tokenizer()
+    middle = perturbed_copy(model, 0.0, 0)
+    eng = DistributedEngine(save_tiny(folder / "target", model, tok), save_tiny(folder / "middle", middle, tok),
+                            tree=DEEP_TREE, resources=RES, dtype="float32")
+    yield eng, CausalLM(model), Decoder(CausalLM(model), CausalLM(middle), DEEP_TREE)
+    eng.shutdown()
+
+
+class TestDeepeningOnActors:
+    """Rounds grow past the depth through the actors as in one process: after a middle layer drafted by the
+    coordinator, and after n-gram layers drafted on the n-gram host (which asks for the middle's layer)."""
+
+    @pytest.mark.parametrize("method", ["11111", "10100"])
+    def test_deepened_rounds_equal_single_process_and_greedy(self, sure, method):
+        eng, target, decoder = sure
+        prompt = list(range(10, 30))
+        got, single = eng.generate(prompt, 40, method), decoder.generate(prompt, 40, method)
+        assert got.tokens == single.tokens == hf_greedy(target, prompt, 40)
+        assert max(got.stats.middle_calls) > method.count("1")  # middle layers past the depth
+        assert max(got.stats.accepted) > 6

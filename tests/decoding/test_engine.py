@@ -277,11 +277,11 @@ def test_plain_step_rounds_tell_the_drafters_once_and_stay_exact(method):
         assert sum(accepts[::2]) == 1 + sum(stats.accepted)
 
 
-@pytest.mark.parametrize("method", ["11111", "01001", "11110"])
+@pytest.mark.parametrize("method", ["11111", "01001", "11110", "10100"])
 def test_deepening_follows_a_sure_middle_past_the_depth_and_stays_exact(method):
-    # The middle drafter is the target itself, and its call priced cheap: rounds that end on a middle layer
-    # go on drafting while it is sure, so a round accepts more than depth + 1 tokens. A schedule ending on an
-    # n-gram layer (11110) never deepens.
+    # The middle drafter is the target itself, and its call priced cheap: rounds that called it go on drafting
+    # while it is sure, whether their last layer was its own (its frontier goes on) or the n-gram drafter's
+    # (the nodes it would expand next), so a round accepts more than depth + 1 tokens.
     model = tiny_model("llama", init=0.6)
     target, mid = CausalLM(model), CausalLM(perturbed_copy(model, 0.0, 0))
     prompt = list(range(10, 30))
@@ -291,12 +291,25 @@ def test_deepening_follows_a_sure_middle_past_the_depth_and_stays_exact(method):
     assert deep.tokens == flat.tokens == ref
     calls = method.count("1")
     assert max(flat.stats.middle_calls) <= calls
-    if method.endswith("1"):
-        assert max(deep.stats.accepted) > 6 and max(deep.stats.middle_calls) > calls
-        assert max(deep.stats.middle_calls) <= calls + 10
-        assert deep.stats.rounds < flat.stats.rounds
-    else:
-        assert deep.stats.middle_calls == flat.stats.middle_calls
+    assert max(deep.stats.accepted) > 6 and max(deep.stats.middle_calls) > calls
+    assert max(deep.stats.middle_calls) <= calls + 10
+    assert deep.stats.rounds < flat.stats.rounds
+
+
+def test_deepening_after_ngram_layers_prices_the_nodes_the_middle_drafter_has_not_read():
+    # After n-gram layers a deepening call also reads the nodes they added: priced dear enough, it never pays,
+    # while a round ending on a middle layer (which added nothing unread but its own frontier) still deepens.
+    # A round without a middle call has no confidence of the middle's to deepen with.
+    model = tiny_model("llama", init=0.6)
+    target, mid = CausalLM(model), CausalLM(perturbed_copy(model, 0.0, 0))
+    prompt = list(range(10, 30))
+    dear = TreeConfig(deepen=10, deepen_cost=0.05, deepen_row_cost=50.0)
+    after_ngram = Decoder(target, mid, dear).generate(prompt, 40, "11110")
+    assert max(after_ngram.stats.middle_calls) == 4
+    assert max(Decoder(target, mid, dear).generate(prompt, 40, "11111").stats.middle_calls) > 5
+    none = Decoder(target, mid, TreeConfig(deepen=10, deepen_cost=0.05)).generate(prompt, 40, "00000")
+    assert none.stats.middle_calls == [0] * none.stats.rounds and max(none.stats.accepted) <= 1 + 5 + 12
+    assert after_ngram.tokens == none.tokens == hf_greedy(target, prompt, 40)
 
 
 def test_deepening_stops_where_a_middle_call_costs_more_than_it_adds():
@@ -309,8 +322,9 @@ def test_deepening_stops_where_a_middle_call_costs_more_than_it_adds():
 
 def test_deepening_cost_comes_from_the_measured_timings():
     target, mid = pair("qwen3", "close")
-    dec = Decoder(target, mid, TreeConfig(deepen=3), timings=Timings(100.0, 25.0))
-    assert round_config(dec.cfg, dec.resolve_policy("all-mid"), lambda: dec.timings).deepen_cost == 0.25
+    dec = Decoder(target, mid, TreeConfig(deepen=3), timings=Timings(100.0, 25.0, 0.5))
+    cfg = round_config(dec.cfg, dec.resolve_policy("all-mid"), lambda: dec.timings)
+    assert cfg.deepen_cost == 0.25 and cfg.deepen_row_cost == 0.005  # a call, a token of its read
     # A schedule that never calls the middle drafter has nothing to deepen with, and needs no timings.
     assert round_config(dec.cfg, dec.resolve_policy("all-small"), lambda: 1 / 0).deepen_cost is None
     assert TreeConfig(deepen=3).max_tree_depth == TreeConfig(deepen=0).max_tree_depth + 3

@@ -154,6 +154,8 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
     (["--methods", "ar,fast"], "unknown method"),
     (["--methods", "ar,treegraft@k0"], "unknown method"),
     (["--methods", "ar,hf-pld@k4"], "unknown method"),
+    (["--methods", "ar,hf-assisted@deep2"], "unknown method"),
+    (["--methods", "ar,treegraft@deep2@deep3"], "unknown method"),
     (["--budget", "0"], "budget"),
     (["--budget", "lots"], "budget"),
     (["--budget", "all-small=0"], "integer >= 1"),
@@ -253,15 +255,20 @@ def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair
     target, middle = pair
     assert load_artifact(narrow_artifact)[0].width == 3
     cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "treegraft", "treegraft@sized", "treegraft@published",
-                                                     "oracle", "all-mid", "treegraft@k5", "all-mid@k2@sized"],
+                                                     "oracle", "all-mid", "treegraft@k5", "all-mid@k2@sized",
+                                                     "treegraft@deep2"],
                      prompts_per_benchmark=1, max_new_tokens=12, out=tmp_path / "out", budget="auto",
                      cache_dir=tmp_path / "cache", scheduler=narrow_artifact, pair=("tiny-target", "tiny-middle"))
     ev = Evaluation(target, middle, cfg)
     widths = {m: ev._decoder(m, 16).cfg.top_k for m in cfg.methods if m != "ar"}
     # Its own methods at its width; the published settings and the fixed schedules at the published K = 10.
     assert widths == {"treegraft": 3, "treegraft@sized": 3, "oracle": 3, "treegraft@published": 10, "all-mid": 10,
-                      "treegraft@k5": 5, "all-mid@k2@sized": 2}  # @kN: that width, side by side
+                      "treegraft@k5": 5, "all-mid@k2@sized": 2, "treegraft@deep2": 3}  # @kN: that width
     assert ev._decoder("all-mid@k2@sized", 16).sizer is not None
+    # @deepN: up to N middle layers past the depth, the other settings kept; the default drafts none.
+    deep = {m: ev._decoder(m, 16).cfg for m in ("treegraft", "treegraft@deep2", "all-mid@k2@deep4")}
+    assert {m: c.deepen for m, c in deep.items()} == {"treegraft": 0, "treegraft@deep2": 2, "all-mid@k2@deep4": 4}
+    assert deep["all-mid@k2@deep4"].top_k == 2 and deep["treegraft@deep2"].top_k == 3
     summary = ev.run()
     assert summary.mismatches == []
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()

@@ -14,8 +14,9 @@ class TreeConfig:
     settings; see ngram.py); call_budget = most middle calls per round within its `depth` layers (None: no
     limit beyond the schedule); deepen = middle layers a round may draft past `depth` while the middle
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
-    settings); deepen_cost = a middle call's time over a target pass's (set from the engine's measured
-    timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
+    settings); deepen_cost = a middle call's time over a target pass's, deepen_row_cost = what each node the
+    middle drafter has not read adds to a deepening call (a token of its read over a target pass; both set from
+    the engine's measured timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
     whole prompt, the published settings; see neural.py); pin_match = a long chain behind a match of at least
     this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none; ngram.py)."""
 
@@ -29,6 +30,7 @@ class TreeConfig:
     call_budget: int | None = None
     deepen: int = 0
     deepen_cost: float | None = None
+    deepen_row_cost: float = 0.0
     middle_window: int = 256
     pin_match: int = 2
 
@@ -43,6 +45,8 @@ class TreeConfig:
             raise ValueError(f"call_budget must be >= 0 or None, got {self.call_budget}")
         if self.deepen_cost is not None and not self.deepen_cost > 0:
             raise ValueError(f"deepen_cost must be > 0 or None, got {self.deepen_cost}")
+        if not self.deepen_row_cost >= 0:
+            raise ValueError(f"deepen_row_cost must be >= 0, got {self.deepen_row_cost}")
 
     @property
     def max_tree_depth(self) -> int:

@@ -20,7 +20,7 @@ from .batch import input_vocab
 from .config import TreeConfig
 from .costs import forward_ms
 from .drafter import Drafter
-from .neural import NeuralDrafter
+from .neural import ONE_FORWARD_MAX_LEAVES, NeuralDrafter
 from .ngram import NGramDrafter
 from .request import (
     DeepeningCalibration,
@@ -38,7 +38,7 @@ from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import READ_BLOCK, Timings, compute_signals
 from .sizing import DraftingMeans, LoadBudget, TreeSizer
 from .stats import PhaseTimer, RequestStats
-from .tree import DraftTree, next_frontier
+from .tree import ORIGIN_MIDDLE, DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
 
 AR_METHOD = "ar"
@@ -85,27 +85,44 @@ def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, l
 def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
     """Whether a round that has drafted its cfg.depth layers drafts one more middle layer.
 
-    Only after a middle layer (whose frontier carries the middle drafter's own path log-probs), at most
-    cfg.deepen times, and only where one more layer is expected to pay for its call. What it adds: each
-    frontier node's best child, at the node's path probability times the last layer's confidence (the
-    frontier's mass over its parents'), takes the place of the weakest node the budget keeps, so it adds the
-    difference where positive. Against what the call costs at this round's rate (its expected accepted
-    tokens, 1 + the kept nodes' path probabilities, over its time so far, a target pass plus its calls):
-        gain / cost >= accepted / time,  in target passes: gain * (1 + calls * c) >= c * accepted.
-    This is how a round grows as deep as a confident chain reaches (as assisted generation's chain runs while
+    Only in a round that called the middle drafter, at most cfg.deepen times, and only where one more layer is
+    expected to pay for its call. The nodes it would expand: the last layer's frontier after a middle layer
+    (it carries the middle drafter's own path log-probs); after n-gram layers, the nodes the middle drafter
+    would select next (`DraftTree.reselect`: the best by score within its lookback that it has not expanded;
+    a fixed schedule such as 10100 ends on n-gram layers, and its chain would otherwise stop at the depth;
+    such a call also reads the nodes those layers added, at cfg.deepen_row_cost each, up to what one forward
+    reads, `neural.ONE_FORWARD_MAX_LEAVES`).
+    What a layer adds: each such node's best child, at the node's path probability times the round's last
+    middle layer's confidence (its frontier's mass over its parents', `Drafting.confidence`), takes the place of
+    the weakest node the budget keeps, so it adds the difference where positive. Against what the call costs at
+    this round's rate (its expected accepted tokens, 1 + the kept nodes' path probabilities, over its time so
+    far, a target pass plus its calls):
+        gain / cost >= accepted / time,  in target passes: gain * (1 + calls * c) >= cost * accepted,
+    cost = c (+ the unread nodes' rows). This is how a round grows as deep as a confident chain reaches (as assisted generation's chain runs while
     its drafter is sure), where a flat number of layers stops every round at `depth`."""
     c = cfg.deepen_cost
-    if (c is None or state.layer < cfg.depth or state.layer >= cfg.depth + cfg.deepen or not state.calls
-            or not state.calls[-1] or len(state.frontier) == 0):
+    if (c is None or state.layer < cfg.depth or state.layer >= cfg.depth + cfg.deepen or state.confidence is None
+            or len(state.frontier) == 0):
         return False
-    tree, frontier = state.tree, state.frontier
-    reach = np.exp(tree.scores[frontier])  # [<= K]
-    confidence = min(1.0, float(reach.sum() / np.exp(tree.scores[np.unique(tree.parents[frontier])]).sum()))
+    tree = state.tree
+    cost, nodes = c, state.frontier  # [<= K]
+    if not state.calls[-1]:
+        nodes = tree.reselect(state.frontier, cfg.lookback, cfg.top_k, ORIGIN_MIDDLE)
+        cost += cfg.deepen_row_cost * min(tree.size - state.read, ONE_FORWARD_MAX_LEAVES)
+    if len(nodes) == 0:
+        return False
+    reach = np.exp(tree.scores[nodes])  # [<= K]
     kept = np.exp(np.sort(tree.scores[1 : tree.size])[::-1][: cfg.budget - 1])  # [<= budget - 1] descending
     weakest = float(kept[-1]) if 0 < len(kept) == cfg.budget - 1 else 0.0  # what a new node displaces
-    gain = float(np.maximum(reach * confidence - weakest, 0.0).sum())
+    gain = float(np.maximum(reach * state.confidence - weakest, 0.0).sum())
     accepted = 1.0 + float(kept.sum())
-    return gain * (1.0 + sum(state.calls) * c) >= c * accepted
+    return gain * (1.0 + sum(state.calls) * c) >= cost * accepted
+
+
+def layer_confidence(tree: DraftTree, frontier: np.ndarray) -> float:
+    """A layer's confidence: its frontier's probability mass over that of the frontier's parents (at most 1)."""
+    parents = np.unique(tree.parents[frontier])
+    return min(1.0, float(np.exp(tree.scores[frontier]).sum() / np.exp(tree.scores[parents]).sum()))
 
 
 @dataclass
@@ -116,6 +133,8 @@ class Drafting:
     tree: DraftTree
     frontier: np.ndarray  # [<= K] node ids the next layer expands
     calls: list[bool]
+    confidence: float | None = None  # the last middle layer's (layer_confidence); None before one
+    read: int = 0  # the tree's size after the last middle layer: later nodes are the n-gram drafter's
 
     @classmethod
     def new(cls, root: int) -> Drafting:
@@ -128,7 +147,7 @@ class Drafting:
     def own(self) -> Drafting:
         """A copy whose arrays this process may write (arrays that come out of Ray's object store are
         read-only)."""
-        return Drafting(self.tree.copy(), self.frontier.copy(), list(self.calls))
+        return Drafting(self.tree.copy(), self.frontier.copy(), list(self.calls), self.confidence, self.read)
 
 
 def draft_tree(
@@ -192,6 +211,10 @@ def draft_layer(state: Drafting, drafter: Drafter, top_k: int, call: bool) -> No
     ids = state.tree.graft(proposal, state.layer + 1)
     if len(proposal):
         state.frontier = next_frontier(state.tree, proposal, ids, top_k)
+        if call:
+            state.confidence = layer_confidence(state.tree, state.frontier)
+    if call:
+        state.read = state.tree.size
     state.calls.append(call)
 
 

@@ -162,7 +162,8 @@ def round_config(cfg: TreeConfig, policy: SchedulePolicy, timings: Callable[[], 
     if cfg.deepen and cfg.deepen_cost is None and may_call_middle(policy):
         t = timings()
         ratio = calibration.ratio if calibration else 1.0
-        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / ratio)
+        cfg = dataclasses.replace(cfg, deepen_cost=t.t_mid_ms / t.t_tgt_ms / ratio,
+                                  deepen_row_cost=t.read_ms / t.t_tgt_ms / ratio)
     if cfg.call_budget is not None or not getattr(policy, "budgeted", False):
         return cfg
     fitted = policy.call_cap_at(cfg.budget) if hasattr(policy, "call_cap_at") else None

@@ -47,6 +47,7 @@ from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questio
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .methods import (
     ALL_METHODS,
+    DEEP,
     DEFAULT_METHODS,
     ORACLE,
     PACED,
@@ -58,12 +59,13 @@ from .methods import (
     VALUE_PLANNER,
     WIDTH,
     artifact_base,
+    deepen_of,
     fixed_base,
     is_method,
     is_ours,
     is_sized,
     width_of,
-    without_width,
+    without_settings,
 )
 from .peers import PEER_METHODS, run_peer
 from .summary import Summary, summarize
@@ -102,7 +104,7 @@ class EvalConfig:
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
                                  f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; "
-                                 f"with {SIZED}: trees sized per round)")
+                                 f"with {SIZED}: trees sized per round; {WIDTH}N: width N; {DEEP}N: up to N deepening layers)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
@@ -210,19 +212,21 @@ class Evaluation:
             tree = fitted_tree(tree, self.scheduler, budget=False)  # the width it was fitted for
         if width_of(method) is not None:
             tree = dataclasses.replace(tree, top_k=width_of(method))
+        if deepen_of(method) is not None:
+            tree = dataclasses.replace(tree, deepen=deepen_of(method))
         sizer = None
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
         # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
         return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
-                       sizer=sizer, verify_ms=self.verify_ms() if without_width(method) == TREEGRAFT + PACED else None)
+                       sizer=sizer, verify_ms=self.verify_ms() if without_settings(method) == TREEGRAFT + PACED else None)
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        suffixes = (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH)
+        suffixes = (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH, DEEP)
         if self.engine is not None and any(tag in method for tag in suffixes):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)

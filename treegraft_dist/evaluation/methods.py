@@ -14,7 +14,8 @@ n-gram chains, no deepening), with @shallow only without deepening (config.TreeC
 without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_match); a fixed
 schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
 only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round;
-@kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own.
+@kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own; @deepN (treegraft@deep4)
+may draft up to N middle layers past the depth where one more is expected to pay (config.TreeConfig.deepen).
 """
 
 from __future__ import annotations
@@ -57,27 +58,42 @@ SIZED = "@sized"
 # width K (children per node, frontier size) instead of its own: treegraft's is the width its scheduler was fitted
 # for (scheduling.device.choose_width), a fixed schedule's the published 10. One run compares widths side by side.
 WIDTH = "@k"
-_WIDTH_RE = re.compile(r"@k(\d+)")
+
+# A fixed schedule or treegraft with this suffix and a number (treegraft@deep4) may draft up to that many middle
+# layers past its depth while one more is expected to pay for its call (engine.deepening; TreeConfig.deepen, 0 by
+# default): one run compares deepening with the default side by side.
+DEEP = "@deep"
+_SETTINGS_RE = re.compile(r"@(k|deep)(\d+)")
 
 # treegraft with this suffix drafts only while drafting pays for the request (sizing.Payoff: plain steps and
 # cheap exploring rounds where it does not), as the server runs a request alone; side by side with treegraft.
 PACED = "@paced"
 
 
+def _setting(m: str, name: str) -> int | None:
+    found = [int(n) for k, n in _SETTINGS_RE.findall(m) if k == name]
+    return found[0] if found else None
+
+
 def width_of(m: str) -> int | None:
     """The tree width a method name asks for with @kN, else None."""
-    found = _WIDTH_RE.search(m)
-    return int(found.group(1)) if found else None
+    return _setting(m, "k")
 
 
-def without_width(m: str) -> str:
-    return _WIDTH_RE.sub("", m)
+def deepen_of(m: str) -> int | None:
+    """The deepening layers a method name asks for with @deepN, else None."""
+    return _setting(m, "deep")
+
+
+def without_settings(m: str) -> str:
+    """The name without its numbered suffixes (@kN, @deepN)."""
+    return _SETTINGS_RE.sub("", m)
 
 
 def artifact_base(m: str) -> str | None:
     """The artifact method (treegraft, value-planner, oracle) a name runs, with @sized or @paced for treegraft;
     else None."""
-    m = without_width(m)
+    m = without_settings(m)
     if m in ARTIFACT_METHODS:
         return m
     return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED)) else None
@@ -86,19 +102,20 @@ def artifact_base(m: str) -> str | None:
 def fixed_base(m: str) -> str | None:
     """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @shallow or @unpinned, then
     @sized), else None."""
-    base = without_width(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW).removesuffix(UNPINNED)
+    base = without_settings(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW).removesuffix(UNPINNED)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 
 def is_method(m: str) -> bool:
-    widths = _WIDTH_RE.findall(m)
-    if len(widths) > 1 or widths and int(widths[0]) < 1:
+    settings = _SETTINGS_RE.findall(m)
+    names = [k for k, _ in settings]
+    if len(set(names)) < len(names) or any(k == "k" and int(n) < 1 for k, n in settings):
         return False
     return m in ALL_METHODS or fixed_base(m) is not None or artifact_base(m) is not None
 
 
 def is_sized(m: str) -> bool:
-    return without_width(m).endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
+    return without_settings(m).endswith(SIZED) and (fixed_base(m) is not None or artifact_base(m) is not None)
 
 
 def is_ours(m: str) -> bool:
