@@ -41,7 +41,7 @@ ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 PUBLISHED = "@published"
 
 # A fixed schedule or treegraft with this suffix never drafts past its depth (deepen = 0, as TreeConfig's default
-# is now: deepening measured no faster on an AVX2 EPYC in fp32 and is off by default; see engine.deepening).
+# is now: deepening measured no faster on an AVX2 EPYC in fp32 nor on a Zen 4 EPYC in bf16; see engine.deepening).
 SHALLOW = "@shallow"
 
 # A fixed schedule or treegraft with this suffix prunes a copy's long chain by score like any other node
