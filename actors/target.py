@@ -367,7 +367,11 @@ class TargetBatcher:
     wait for its answer; one thread sends whatever is waiting to the group as one forward pass, so the
     trees of concurrent requests are verified together. A pass takes the oldest item, then rounds before
     prompt chunks, up to `max_rows` rows (`batch.take_pass`); a prompt goes in chunks of `prefill_chunk`
-    tokens, so a long prefill shares passes with other requests' rounds instead of stalling them.
+    tokens, so a long prefill shares passes with other requests' rounds instead of stalling them. A prompt
+    whose chunk shares a pass with other requests' work is prefilled without its n-gram scores (the target's
+    top-k over its last positions, an output-head product every request in the pass would wait for): the
+    target is shared, so its rounds are plain steps (LoadBudget), and a burst's first request, admitted
+    before the others, does not make them all wait for scores it will not draft with.
 
     The requests of a pass come back at once with their next piece, each after its own bookkeeping (a plain
     step's is short, a round's longer): the thread waits for them briefly (at most GATHER_FRACTION of the
@@ -386,6 +390,7 @@ class TargetBatcher:
         self._waiting: list[tuple[int, Work, _Answer]] = []
         self._in_pass: list[tuple[int, Work, _Answer]] = []
         self._returning: set[int] = set()  # requests of the last pass that have not handed in their next piece
+        self._unscored: set[int] = set()  # requests whose prompt shared a pass: prefilled without scores
         self._last_ms = 0.0  # the last pass's milliseconds
         self._wake = threading.Condition()
         self._closed = False
@@ -429,6 +434,7 @@ class TargetBatcher:
     def leave(self, rid: int) -> None:
         """Request `rid` has ended: the next pass does not wait for it."""
         with self._wake:
+            self._unscored.discard(rid)
             if rid in self._returning:
                 self._returning.discard(rid)
                 self._wake.notify()
@@ -510,6 +516,11 @@ class TargetBatcher:
         chosen = {same[j] for j in take_pass([self._waiting[i][1] for i in same], self.max_rows)}
         batch = [e for i, e in enumerate(self._waiting) if i in chosen]
         self._waiting = [e for i, e in enumerate(self._waiting) if i not in chosen]
+        if len(batch) > 1:  # a prompt that shares a pass is prefilled without its scores, to its last chunk
+            self._unscored.update(w.rid for _, w, _ in batch if w.kind == PREFILL and w.want_prefill_cache)
+        for _, w, _ in batch:
+            if w.kind == PREFILL and w.rid in self._unscored:
+                w.want_prefill_cache = False
         return batch
 
 

@@ -98,6 +98,46 @@ def test_the_batcher_answers_in_bounded_time_and_fails_items_alone():
         batcher.close()
 
 
+def test_a_prompt_that_shares_a_pass_is_prefilled_without_its_scores():
+    """A prompt alone keeps its n-gram scores (want_prefill_cache); prompts whose chunks share a pass lose them, for
+    every later chunk too: the target is shared, and no request in the pass waits for another's scores."""
+    group = StandInGroup()
+    passes = []
+    answer = group.call
+
+    def call(generation, method, items):
+        passes.append([(w.rid, w.want_prefill_cache) for w in items])
+        return answer(generation, method, items)
+
+    group.call = call
+    batcher = TargetBatcher(group, 64, 8, answer_timeout_s=10)
+    try:
+        batcher.prefill(0, 1, list(range(12)), 0, True, None)  # alone: two chunks of 8 and 4, both scored
+        assert passes == [[(1, True)], [(1, True)]]
+        group.gate.clear()  # a pass in flight holds the target while two prompts arrive
+        held = threading.Thread(target=batcher.step, args=(0, 9, 5))
+        held.start()
+        while not group.calls or group.calls[-1] != [9]:
+            time.sleep(0.01)
+        prompts = [threading.Thread(target=batcher.prefill, args=(0, rid, list(range(12)), 0, True, None))
+                   for rid in (2, 3)]
+        for t in prompts:
+            t.start()
+        time.sleep(0.2)
+        group.gate.set()
+        for t in [held, *prompts]:
+            t.join(10)
+        later = [p for p in passes[3:] if any(rid in (2, 3) for rid, _ in p)]
+        assert sorted(rid for rid, _ in later[0]) == [2, 3]  # they shared their first pass
+        assert [want for p in later for rid, want in p] == [False] * 4  # and no chunk of either was scored
+        batcher.leave(2)
+        batcher.leave(3)
+        assert batcher._unscored == set()
+    finally:
+        group.gate.set()
+        batcher.close()
+
+
 def test_the_batcher_loop_restarts_after_a_failure_and_fails_what_waited():
     group = StandInGroup()
     batcher = TargetBatcher(group, 64, 8, answer_timeout_s=10)
