@@ -81,7 +81,8 @@ class Coordinator:
         self.target.build()
         # An answer waits for the pass in flight and then its own, each bounded by dist_timeout_s (_gather).
         self.batcher = self.load.batcher = TargetBatcher(self.target, self.res.max_batch_rows,
-                                                         self.res.prefill_chunk, 2 * self.res.dist_timeout_s)
+                                                         self.res.prefill_chunk, 2 * self.res.dist_timeout_s,
+                                                         shared_unscored=self.res.adapt_budget)
         gen = self.target.wait_ready()
         per_token, free = self.target.call(gen, "kv_capacity", check=False)
         budget = free if self.res.kv_cache_gb is None else self.res.kv_cache_gb * 1e9

@@ -367,11 +367,12 @@ class TargetBatcher:
     wait for its answer; one thread sends whatever is waiting to the group as one forward pass, so the
     trees of concurrent requests are verified together. A pass takes the oldest item, then rounds before
     prompt chunks, up to `max_rows` rows (`batch.take_pass`); a prompt goes in chunks of `prefill_chunk`
-    tokens, so a long prefill shares passes with other requests' rounds instead of stalling them. A prompt
-    whose chunk shares a pass with other requests' work is prefilled without its n-gram scores (the target's
-    top-k over its last positions, an output-head product every request in the pass would wait for): the
-    target is shared, so its rounds are plain steps (LoadBudget), and a burst's first request, admitted
-    before the others, does not make them all wait for scores it will not draft with.
+    tokens, so a long prefill shares passes with other requests' rounds instead of stalling them. With
+    `shared_unscored` (trees sized for the load: Resources.adapt_budget), a prompt whose chunk shares a pass
+    with other requests' work is prefilled without its n-gram scores (the target's top-k over its last
+    positions, an output-head product every request in the pass would wait for): the target is shared, so its
+    rounds are plain steps (LoadBudget), and a burst's first request, admitted before the others, does not make
+    them all wait for scores it will not draft with.
 
     The requests of a pass come back at once with their next piece, each after its own bookkeeping (a plain
     step's is short, a round's longer): the thread waits for them briefly (at most GATHER_FRACTION of the
@@ -383,9 +384,11 @@ class TargetBatcher:
     waiting on it fails with EngineUnavailable and the loop starts again (`restarts` counts it).
     """
 
-    def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int, answer_timeout_s: float):
+    def __init__(self, group: TargetGroup, max_rows: int, prefill_chunk: int, answer_timeout_s: float,
+                 shared_unscored: bool = True):
         self.group, self.max_rows, self.prefill_chunk = group, max_rows, prefill_chunk
         self.answer_timeout_s = answer_timeout_s
+        self.shared_unscored = shared_unscored
         self.restarts = 0
         self._waiting: list[tuple[int, Work, _Answer]] = []
         self._in_pass: list[tuple[int, Work, _Answer]] = []
@@ -516,7 +519,7 @@ class TargetBatcher:
         chosen = {same[j] for j in take_pass([self._waiting[i][1] for i in same], self.max_rows)}
         batch = [e for i, e in enumerate(self._waiting) if i in chosen]
         self._waiting = [e for i, e in enumerate(self._waiting) if i not in chosen]
-        if len(batch) > 1:  # a prompt that shares a pass is prefilled without its scores, to its last chunk
+        if self.shared_unscored and len(batch) > 1:  # a prompt sharing a pass goes unscored, to its last chunk
             self._unscored.update(w.rid for _, w, _ in batch if w.kind == PREFILL and w.want_prefill_cache)
         for _, w, _ in batch:
             if w.kind == PREFILL and w.rid in self._unscored:

@@ -16,9 +16,10 @@ class TreeConfig:
     drafter is sure enough that one more layer pays for its call (engine.deepening; 0: the published
     settings); deepen_cost = a middle call's time over a target pass's, deepen_row_cost = what each node the
     middle drafter has not read adds to a deepening call (a token of its read over a target pass; both set from
-    the engine's measured timings, round_config); middle_window = most prompt tokens the middle drafter reads, the last ones (0: the
-    whole prompt, the published settings; see neural.py); pin_match = a long chain behind a match of at least
-    this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none; ngram.py)."""
+    the engine's measured timings, round_config); middle_window = most prompt tokens the middle drafter reads,
+    the last ones (0: the whole prompt, the published settings; see neural.py); pin_match = a long chain behind
+    a match of at least this many tokens (a copy) is verified ahead of the nodes ranked by score (0: none;
+    ngram.py)."""
 
     depth: int = 5
     top_k: int = 10

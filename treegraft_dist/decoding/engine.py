@@ -98,8 +98,9 @@ def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
     this round's rate (its expected accepted tokens, 1 + the kept nodes' path probabilities, over its time so
     far, a target pass plus its calls):
         gain / cost >= accepted / time,  in target passes: gain * (1 + calls * c) >= cost * accepted,
-    cost = c (+ the unread nodes' rows). This is how a round grows as deep as a confident chain reaches (as assisted generation's chain runs while
-    its drafter is sure), where a flat number of layers stops every round at `depth`."""
+    cost = c (+ the unread nodes' rows). This is how a round grows as deep as a confident chain reaches (as
+    assisted generation's chain runs while its drafter is sure), where a flat number of layers stops every round
+    at `depth`."""
     c = cfg.deepen_cost
     if (c is None or state.layer < cfg.depth or state.layer >= cfg.depth + cfg.deepen or state.confidence is None
             or len(state.frontier) == 0):
@@ -108,7 +109,9 @@ def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
     cost, nodes = c, state.frontier  # [<= K]
     if not state.calls[-1]:
         nodes = tree.reselect(state.frontier, cfg.lookback, cfg.top_k, ORIGIN_MIDDLE)
-        cost += cfg.deepen_row_cost * min(tree.size - state.read, ONE_FORWARD_MAX_LEAVES)
+        last = len(state.calls) - state.calls[::-1].index(True)  # the last middle layer (1-based)
+        unread = int((tree.layers[: tree.size] > last).sum())  # the n-gram layers' nodes since
+        cost += cfg.deepen_row_cost * min(unread, ONE_FORWARD_MAX_LEAVES)
     if len(nodes) == 0:
         return False
     reach = np.exp(tree.scores[nodes])  # [<= K]
@@ -134,7 +137,6 @@ class Drafting:
     frontier: np.ndarray  # [<= K] node ids the next layer expands
     calls: list[bool]
     confidence: float | None = None  # the last middle layer's (layer_confidence); None before one
-    read: int = 0  # the tree's size after the last middle layer: later nodes are the n-gram drafter's
 
     @classmethod
     def new(cls, root: int) -> Drafting:
@@ -147,7 +149,7 @@ class Drafting:
     def own(self) -> Drafting:
         """A copy whose arrays this process may write (arrays that come out of Ray's object store are
         read-only)."""
-        return Drafting(self.tree.copy(), self.frontier.copy(), list(self.calls), self.confidence, self.read)
+        return Drafting(self.tree.copy(), self.frontier.copy(), list(self.calls), self.confidence)
 
 
 def draft_tree(
@@ -213,8 +215,6 @@ def draft_layer(state: Drafting, drafter: Drafter, top_k: int, call: bool) -> No
         state.frontier = next_frontier(state.tree, proposal, ids, top_k)
         if call:
             state.confidence = layer_confidence(state.tree, state.frontier)
-    if call:
-        state.read = state.tree.size
     state.calls.append(call)
 
 

@@ -104,7 +104,8 @@ class EvalConfig:
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
                                  f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; "
-                                 f"with {SIZED}: trees sized per round; {WIDTH}N: width N; {DEEP}N: up to N deepening layers)")
+                                 f"with {SIZED}: trees sized per round; {WIDTH}N: width N; {DEEP}N: up to N "
+                                 "deepening layers)")
         if isinstance(self.budget, dict):
             bad = {m: b for m, b in self.budget.items() if not isinstance(b, int) or b < 1}
             if bad:
