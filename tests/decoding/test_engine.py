@@ -400,3 +400,29 @@ def test_a_policy_that_copies_first_leaves_a_copying_rounds_first_layer_to_the_n
             assert tree.follow(span[5:]) and len(tree.follow(span[5:])) == len(span) - 5
     got = Decoder(target, mid, cfg).generate(span + [3, 40] + span[:5], 30, CallsEveryLayerButCopiesFirst())
     assert got.tokens == hf_greedy(target, span + [3, 40] + span[:5], 30)
+
+
+def test_a_copy_that_fills_the_budget_ends_the_rounds_drafting_with_the_same_tree():
+    """Pruning keeps a copy's pinned chain first, so once it fills the budget no middle call can add a verified
+    node: the round stops drafting there, and verifies exactly the tree full drafting would have."""
+    target, mid = pair("llama", "close")
+    span = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    prompt = span + [3, 40] + span[:5]
+    for budget, filled in ((8, True), (14, True), (16, False)):
+        cfg = TreeConfig(budget=budget)
+        trees = []
+        for settle in ((budget,), ()):
+            ngram, middle = NGramDrafter.from_config(cfg), NeuralDrafter(mid, cfg.top_k, cfg.lookback)
+            for d in (ngram, middle):
+                d.start(prompt[:-1], None)
+                d.accept([], prompt[-1:])
+            tree, calls = draft_tree(prompt[-1], cfg, CallsEveryLayerButCopiesFirst(), ngram, middle,
+                                     PhaseTimer(RequestStats("t")), None, settle)
+            trees.append(tree)
+            # 13 pins (the copied token and a long chain of 12) fill 8 and 14 nodes, not 16.
+            assert calls == ([False] * 5 if settle and filled else [False] + [True] * 4)
+        (short, kept), (full, full_kept) = (t.prune(budget) for t in trees)
+        assert short.tokens.tolist() == full.tokens.tolist() and short.parents.tolist() == full.parents.tolist()
+        assert trees[0].pins_fill(budget) == filled
+    got = Decoder(target, mid, TreeConfig(budget=8)).generate(prompt, 30, CallsEveryLayerButCopiesFirst())
+    assert got.tokens == hf_greedy(target, prompt, 30)

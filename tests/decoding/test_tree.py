@@ -483,6 +483,13 @@ def test_prune_keeps_pinned_nodes_first_shallowest_first_then_the_rest_by_score(
         if want.sum() < budget and want.sum() + len(missing) <= budget:
             want[missing] = True
     assert kept.tolist() == np.flatnonzero(want).tolist()
+    # The pins fill the budget exactly when pruning keeps nothing else; then a node drafted later, however it
+    # scores, changes nothing.
+    fills = tree.pins_fill(budget)
+    assert fills == (want.sum() == budget and set(np.flatnonzero(want)) <= set(chain))
+    if fills:
+        tree.graft(Proposal(tree.size, np.array([0]), np.array([99]), np.array([5.0]), ORIGIN_MIDDLE), 9)
+        assert tree.prune(budget)[1].tolist() == kept.tolist()
 
 
 def test_a_grafted_proposal_pins_its_marked_entries_and_an_existing_node_it_meets():

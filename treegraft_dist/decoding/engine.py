@@ -74,6 +74,13 @@ def pruning_settled(tree: DraftTree, frontier: np.ndarray, keep: int) -> bool:
     return not tree.ancestor_mask(np.flatnonzero(kept))[:, frontier].any()
 
 
+def pins_fill(tree: DraftTree, budgets: tuple[int, ...]) -> bool:
+    """Whether a copied span's pinned chain fills every one of `budgets` (DraftTree.pins_fill): then no later
+    layer of either drafter can change the tree pruned to them, and a middle call there would be paid for
+    nodes that are never verified."""
+    return bool(budgets) and all(tree.pins_fill(b) for b in budgets)
+
+
 def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, layer: int, calls: list[bool]) -> bool:
     """Whether no layer from `layer` on can call the middle drafter: none is there, the call budget is
     spent, or a fixed schedule has no call left."""
@@ -184,6 +191,9 @@ def draft_layers(
     while state.layer < cfg.depth or (has_middle and deepening(state, cfg)):
         layer, calls = state.layer, state.calls
         with timer.phase("scheduler"):
+            if budgets and pins_fill(state.tree, budgets):  # a copy fills the tree: nothing left to draft
+                calls.extend([False] * max(0, cfg.depth - layer))
+                break
             if layer >= cfg.depth:  # a deepening layer: the middle drafter's, past the schedule
                 call = True
             elif layer == 0 and getattr(policy, "copies_first", False) and ngram is not None and ngram.copying():

@@ -266,6 +266,13 @@ class DraftTree:
         kept = np.flatnonzero(keep)
         return self.subtree(kept), kept
 
+    def pins_fill(self, budget: int) -> bool:
+        """Whether pruning to `budget` keeps pinned nodes (with their ancestors) alone. Pins go first whatever
+        the scores (prune), and only a round's first n-gram layer pins (ngram.py), so then nothing drafted
+        later, nor any rescoring, changes the pruned tree."""
+        pins = np.flatnonzero(self.pinned[1 : self.size]) + 1
+        return len(pins) >= budget - 1 and int(self._keep_greedy(pins, budget).sum()) >= budget
+
     def _keep_greedy(self, ranked: np.ndarray, budget: int) -> np.ndarray:
         """[size] bool: nodes taken in the order of `ranked`, each with its missing ancestors when all of
         them fit."""
