@@ -295,9 +295,9 @@ class RoundDrafter:
             else:  # the middle drafter's layer, then the next decisions here if the policy allows
                 with self.timer.phase("middle"):
                     draft_layer(state, self.middle, r.cfg.top_k, True)
+                deeper = self._live_middle() is not None and deepening(state, r.cfg, budgets[0] if budgets else None)
                 wanted = (self._decide_here(state, budgets) if self.decide_here
-                          else "ngram" if state.layer < r.cfg.depth
-                          else "middle" if self._live_middle() is not None and deepening(state, r.cfg) else None)
+                          else "ngram" if state.layer < r.cfg.depth else "middle" if deeper else None)
         return state.tree, state.calls
 
     def _live_middle(self) -> FallbackDrafter | None:

@@ -265,9 +265,9 @@ def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair
     assert widths == {"treegraft": 3, "treegraft@sized": 3, "oracle": 3, "treegraft@published": 10, "all-mid": 10,
                       "treegraft@k5": 5, "all-mid@k2@sized": 2, "treegraft@deep2": 3}  # @kN: that width
     assert ev._decoder("all-mid@k2@sized", 16).sizer is not None
-    # @deepN: up to N middle layers past the depth, the other settings kept; the default drafts none.
+    # @deepN: up to N middle layers past the depth, the other settings kept; the default up to 4.
     deep = {m: ev._decoder(m, 16).cfg for m in ("treegraft", "treegraft@deep2", "all-mid@k2@deep4")}
-    assert {m: c.deepen for m, c in deep.items()} == {"treegraft": 0, "treegraft@deep2": 2, "all-mid@k2@deep4": 4}
+    assert {m: c.deepen for m, c in deep.items()} == {"treegraft": 4, "treegraft@deep2": 2, "all-mid@k2@deep4": 4}
     assert deep["all-mid@k2@deep4"].top_k == 2 and deep["treegraft@deep2"].top_k == 3
     summary = ev.run()
     assert summary.mismatches == []

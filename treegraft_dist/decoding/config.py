@@ -29,7 +29,7 @@ class TreeConfig:
     chain: int = 4
     long_chain: int = 12
     call_budget: int | None = None
-    deepen: int = 0
+    deepen: int = 4
     deepen_cost: float | None = None
     deepen_row_cost: float = 0.0
     middle_window: int = 256

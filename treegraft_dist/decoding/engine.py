@@ -89,7 +89,7 @@ def only_ngram_left(cfg: TreeConfig, policy: SchedulePolicy, has_middle: bool, l
             or (pattern is not None and "1" not in pattern[layer:]))
 
 
-def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
+def deepening(state: "Drafting", cfg: TreeConfig, budget: int | None = None) -> bool:
     """Whether a round that has drafted its cfg.depth layers drafts one more middle layer.
 
     Only in a round that called the middle drafter, at most cfg.deepen times, and only where one more layer is
@@ -101,7 +101,8 @@ def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
     reads, `neural.ONE_FORWARD_MAX_LEAVES`).
     What a layer adds: each such node's best child, at the node's path probability times the round's last
     middle layer's confidence (its frontier's mass over its parents', `Drafting.confidence`), takes the place of
-    the weakest node the budget keeps, so it adds the difference where positive. Against what the call costs at
+    the weakest node the budget keeps (`budget`: this round's, where it is not cfg.budget: a round sized for the
+    load), so it adds the difference where positive. Against what the call costs at
     this round's rate (its expected accepted tokens, 1 + the kept nodes' path probabilities, over its time so
     far, a target pass plus its calls):
         gain / cost >= accepted / time,  in target passes: gain * (1 + calls * c) >= cost * accepted,
@@ -122,8 +123,9 @@ def deepening(state: "Drafting", cfg: TreeConfig) -> bool:
     if len(nodes) == 0:
         return False
     reach = np.exp(tree.scores[nodes])  # [<= K]
-    kept = np.exp(np.sort(tree.scores[1 : tree.size])[::-1][: cfg.budget - 1])  # [<= budget - 1] descending
-    weakest = float(kept[-1]) if 0 < len(kept) == cfg.budget - 1 else 0.0  # what a new node displaces
+    budget = cfg.budget if budget is None else budget
+    kept = np.exp(np.sort(tree.scores[1 : tree.size])[::-1][: budget - 1])  # [<= budget - 1] descending
+    weakest = float(kept[-1]) if 0 < len(kept) == budget - 1 else 0.0  # what a new node displaces
     gain = float(np.maximum(reach * state.confidence - weakest, 0.0).sum())
     accepted = 1.0 + float(kept.sum())
     return gain * (1.0 + sum(state.calls) * c) >= cost * accepted
@@ -166,8 +168,9 @@ def draft_tree(
 ) -> tuple[DraftTree, list[bool]]:
     """Grow one round's tree over cfg.depth layers; returns it and which layers called the middle.
 
-    `budgets`, when given, are all those the tree will be pruned to: once only n-gram layers are left and
-    they cannot change the tree pruned to any of them, they are not drafted (pruning_settled). Without,
+    `budgets`, when given, are all those the tree will be pruned to, the round's own first (deepening weighs
+    against it): once a copy's pins fill them (pins_fill), or only n-gram layers are left and they cannot
+    change the tree pruned to any of them (pruning_settled), the later layers are not drafted. Without,
     every layer is drafted (the whole tree is wanted, e.g. to compare with trajectory collection)."""
     state = Drafting.new(root)
     draft_layers(state, cfg, policy, ngram, middle, timer, context, budgets)
@@ -188,7 +191,7 @@ def draft_layers(
     the first layer while the n-gram drafter finds the text copying a span (NGramDrafter.copying), so the
     n-gram drafter must be given for that layer."""
     has_middle = middle is not None if has_middle is None else has_middle
-    while state.layer < cfg.depth or (has_middle and deepening(state, cfg)):
+    while state.layer < cfg.depth or (has_middle and deepening(state, cfg, budgets[0] if budgets else None)):
         layer, calls = state.layer, state.calls
         with timer.phase("scheduler"):
             if budgets and pins_fill(state.tree, budgets):  # a copy fills the tree: nothing left to draft

@@ -269,7 +269,7 @@ class DraftTree:
     def pins_fill(self, budget: int) -> bool:
         """Whether pruning to `budget` keeps pinned nodes (with their ancestors) alone. Pins go first whatever
         the scores (prune), and only a round's first n-gram layer pins (ngram.py), so then nothing drafted
-        later, nor any rescoring, changes the pruned tree."""
+        later, nor any rescoring, changes which nodes the pruned tree holds (a budget of 1: the root alone)."""
         pins = np.flatnonzero(self.pinned[1 : self.size]) + 1
         return len(pins) >= budget - 1 and int(self._keep_greedy(pins, budget).sum()) >= budget
 

@@ -40,8 +40,8 @@ ALL_METHODS = DEFAULT_METHODS + (VALUE_PLANNER, ORACLE)
 # n-gram chains (config.py), so one run compares the extension with the paper's settings side by side.
 PUBLISHED = "@published"
 
-# A fixed schedule or treegraft with this suffix never drafts past its depth (deepen = 0, as TreeConfig's default
-# is now: deepening measured no faster on an AVX2 EPYC in fp32 nor on a Zen 4 EPYC in bf16; see engine.deepening).
+# A fixed schedule or treegraft with this suffix never drafts past its depth (deepen = 0; TreeConfig's default is 4:
+# see engine.deepening).
 SHALLOW = "@shallow"
 
 # A fixed schedule or treegraft with this suffix prunes a copy's long chain by score like any other node
@@ -60,7 +60,7 @@ SIZED = "@sized"
 WIDTH = "@k"
 
 # A fixed schedule or treegraft with this suffix and a number (treegraft@deep4) may draft up to that many middle
-# layers past its depth while one more is expected to pay for its call (engine.deepening; TreeConfig.deepen, 0 by
+# layers past its depth while one more is expected to pay for its call (engine.deepening; TreeConfig.deepen, 4 by
 # default): one run compares deepening with the default side by side.
 DEEP = "@deep"
 _SETTINGS_RE = re.compile(r"@(k|deep)(\d+)")
