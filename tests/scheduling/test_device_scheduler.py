@@ -151,6 +151,10 @@ def test_no_shipped_data_or_other_tree_settings_give_none(models, ship, tmp_path
     other = TreeConfig(budget=16, long_chain=0)
     assert scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, other, log=said.append) is None
     assert "other tree settings" in said[0] and ship == []
+    # Deepening drafts past the layers the trajectories hold: the same data serves any --deepen.
+    for deepen in (0, 4):
+        deeper = dataclasses.replace(TREE, deepen=deepen, deepen_cost=0.3)
+        assert scheduler_for_device(PAIR, target, "tiny-t", middle, "tiny-m", tmp_path, ctx, deeper, log=str)
 
 
 def test_budgets_are_limited_to_what_the_device_measured(shipped):

@@ -103,9 +103,11 @@ def check_profile(scheduler: LearnedScheduler, key: str, where: str) -> None:
 
 
 def same_drafting(a: TreeConfig, b: TreeConfig, any_width: bool = False) -> bool:
-    """Whether two tree configs grow the same trees (the budget and the call budget are chosen per device;
-    with `any_width` the tree width top_k too)."""
-    free = {"budget": 1, "call_budget": None, **({"top_k": 1} if any_width else {})}
+    """Whether two tree configs grow the same trees within their depth (the budget and the call budget are
+    chosen per device; with `any_width` the tree width top_k too). Deepening drafts past the depth, where no
+    trajectory reaches (collection drafts the 32 schedules of the depth's layers), so it is not compared."""
+    free = {"budget": 1, "call_budget": None, "deepen": 0, "deepen_cost": None, "deepen_row_cost": 0.0,
+            **({"top_k": 1} if any_width else {})}
     return dataclasses.replace(a, **free) == dataclasses.replace(b, **free)
 
 
