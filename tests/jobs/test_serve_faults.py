@@ -167,7 +167,7 @@ def test_a_request_waits_at_most_its_queue_timeout(server, greedy):
     Retry-After after about the queue timeout, not later; the counts return to 0 once the clients leave."""
     base = server[0]
     # Holders that outlast the queue timeout by far: sampled, with a middle call at every layer of a round.
-    long = {"model": NAME, "prompt": "long", "max_tokens": 480, "temperature": 1, "seed": 1, "method": "all-mid",
+    long = {"model": NAME, "prompt": "long", "max_tokens": 440, "temperature": 1, "seed": 1, "method": "all-mid",
             "stream": True}
 
     async def run():
