@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--budget", type=int, default=None,
                     help="nodes verified per round (default: what the server would verify at)")
+    ap.add_argument("--deepen", type=int, default=TreeConfig.deepen,
+                    help="middle layers a round may draft past the depth (default %(default)s, as the server)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every concurrency's methods this many times, each time in the next rotation of "
                          "their order; the table gives the median tokens/s (the box drifts between cells)")
@@ -113,7 +115,7 @@ def main() -> None:
                                                 args.threads or for_device("cpu", 1).torch_threads)
         args.budget = args.budget or budget
         print(f"treegraft: {which}; budget {args.budget}", flush=True)
-        tree = fitted_tree(TreeConfig(budget=args.budget), default, budget=False)  # the width it was fitted for
+        tree = fitted_tree(TreeConfig(budget=args.budget, deepen=args.deepen), default, budget=False)  # its width
         engines = {}
         for adapt in sorted({not m.endswith("@fixed") for m in methods}):
             threads = {} if args.threads is None else {"torch_threads": args.threads}
