@@ -165,6 +165,21 @@ def test_exploring_rounds_are_small_and_drafted_without_the_middle():
     assert lb(1, 150.0, Payoff(1.2)) == 8  # untrusted, what earlier requests saw does not stop its own first rounds
 
 
+def test_under_load_a_drafted_round_pays_the_middle_drafters_read_of_what_it_has_not_seen():
+    from treegraft_dist.decoding.sizing import LoadBudget, Payoff, Reading
+
+    # Two requests share passes that cost the same up to 8 rows: trees of 4 ride free, unless this request's middle
+    # drafter must first read its prompt's window (256 tokens at 2 ms), which the other request's pass waits for.
+    lb = LoadBudget(16, {1: 100.0, 2: 100.0, 4: 100.0, 8: 100.0, 16: 200.0}, alpha=0.6)
+    payoff = Payoff(3.0, 8.0)
+    assert lb(2, 20.0, payoff, Reading(context=256, remaining=200, token_ms=2.0)) == 1
+    assert payoff.read == 0  # a plain step: nothing read
+    assert lb(2, 20.0, payoff, Reading(context=10, remaining=200, token_ms=2.0)) == 4  # a short read pays
+    assert payoff.read == 10 and payoff.middle  # the middle drafter has read up to this round's root
+    assert lb(2, 20.0, payoff, Reading(context=13, remaining=197, token_ms=2.0)) == 4  # 3 new tokens: cheap
+    assert lb(2, 20.0) == 4  # without a middle drafter to price
+
+
 def test_later_requests_start_from_what_earlier_ones_measured_and_some_still_explore():
     from treegraft_dist.decoding.sizing import DraftingMeans, LoadBudget
     from treegraft_dist.decoding.stats import RequestStats

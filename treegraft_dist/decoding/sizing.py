@@ -156,7 +156,9 @@ class LoadBudget:
                   learned from the passes as they run (`observe_pass`);
       drafting    a request's drafting time a round (its n-gram steps, middle calls, scheduler), paid only
                   when it drafts (b > 1), once per active request: the drafter actors serve the requests'
-                  calls one after another, and on a CPU they take the cores the target's pass would use;
+                  calls one after another, and on a CPU they take the cores the target's pass would use; plus,
+                  for this request, the middle drafter's read of what it has not seen (`reading`: its prompt's
+                  window on a first drafted round, the tokens of plain steps since), which the pass waits for;
       acc(b)      tokens a round accepts, 1 + alpha * log2(b): trees accept about logarithmically more with
                   size; alpha is learned online from the rounds (`observe`), starting at `alpha`.
     b = 1 is a plain decoding step (no drafting at all), so under heavy load speculation degrades to batched
@@ -209,11 +211,21 @@ class LoadBudget:
         if active <= 1:
             return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size,
                                                                   reading)
-        if payoff is not None:
-            payoff.middle = True  # under load every drafted round drafts as the policy says
-        gain = [(1 + self.alpha * np.log2(b)) / (self.cost(active * b) + (active * drafting_ms if b > 1 else 0.0))
+        # Under load every drafted round drafts as the policy says, and before its first call the middle drafter
+        # reads what it has not seen of this request (the prompt's window, the tokens of plain steps): the other
+        # requests' pass waits for that read too, so a drafted round pays it.
+        catch_up_ms = 0.0
+        if payoff is not None and reading is not None:
+            catch_up_ms = max(0, reading.context - payoff.read) * reading.token_ms
+        gain = [(1 + self.alpha * np.log2(b))
+                / (self.cost(active * b) + (active * drafting_ms + catch_up_ms if b > 1 else 0.0))
                 for b in self.candidates]
-        return self.candidates[int(np.argmax(gain))]
+        size = self.candidates[int(np.argmax(gain))]
+        if payoff is not None:
+            payoff.middle = True
+            if size > 1 and reading is not None:
+                payoff.read = reading.context  # the middle drafter reads up to this round's root
+        return size
 
     @property
     def probe_size(self) -> int:
