@@ -214,9 +214,7 @@ class LoadBudget:
         # Under load every drafted round drafts as the policy says, and before its first call the middle drafter
         # reads what it has not seen of this request (the prompt's window, the tokens of plain steps): the other
         # requests' pass waits for that read too, so a drafted round pays it.
-        catch_up_ms = 0.0
-        if payoff is not None and reading is not None:
-            catch_up_ms = max(0, reading.context - payoff.read) * reading.token_ms
+        catch_up_ms = 0.0 if payoff is None else payoff.catch_up_ms(reading)
         gain = [(1 + self.alpha * np.log2(b))
                 / (self.cost(active * b) + (active * drafting_ms + catch_up_ms if b > 1 else 0.0))
                 for b in self.candidates]
@@ -322,11 +320,15 @@ class Payoff:
             return False
         return not catch_up_ms or remaining is None or remaining / plain - remaining / rate >= catch_up_ms
 
+    def catch_up_ms(self, reading: Reading | None) -> float:
+        """What the middle drafter's read of the context it has not seen costs before this round (0 without one)."""
+        return 0.0 if reading is None else max(0, reading.context - self.read) * reading.token_ms
+
     def plan(self, cost, drafting_ms: float, budget: int, probe: int, reading: Reading | None = None) -> int:
         """This round's tree size: `budget` (drafted as the policy says) while that pays, `probe` (the n-gram
         drafter alone) while those pay and for an exploring round, else 1 (a plain step). Sets `middle`.
         `reading`: where the request stands, to price the middle drafter's read of what it has not seen."""
-        catch_up_ms = 0.0 if reading is None else max(0, reading.context - self.read) * reading.token_ms
+        catch_up_ms = self.catch_up_ms(reading)
         if self.pays(cost, drafting_ms, budget, catch_up_ms, None if reading is None else reading.remaining):
             self.middle = True
             if reading is not None:
