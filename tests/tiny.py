@@ -17,7 +17,7 @@ def _config(arch: str, hidden: int, layers: int, vocab: int, init: float, heads:
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                  tie_word_embeddings=False, **extra)
+                  **{"tie_word_embeddings": False, **extra})
     if arch == "llama":
         return LlamaForCausalLM, LlamaConfig(**common)
     if arch == "qwen3":

@@ -94,7 +94,7 @@ def spread_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 
 def fp32_head(lm: CausalLM) -> CausalLM:
     """The same model with logits computed from hidden.float() and an fp32 copy of the head."""
-    w = lm.head.weight.detach().float()
+    w = lm.head_rows(torch.arange(lm.vocab_size)).detach().float()
     b = lm.head.bias.detach().float() if getattr(lm.head, "bias", None) is not None else None
     out = copy.copy(lm)
 

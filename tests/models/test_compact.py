@@ -221,6 +221,8 @@ def test_prepare_keeps_the_groups_of_a_gguf_file_and_loading_uses_them(tmp_path)
     assert form is not None and form.kind == 2 and form.group == 32
     assert form.nbytes < dequantized.numel() * 4 / 3
     assert compact.load_groups(tmp_path / "elsewhere") == {}
+    assert compact.load_groups(tmp_path, only={compact.fingerprint(dequantized[0])}).keys() == groups.keys()
+    assert compact.load_groups(tmp_path, only={"another weight"}) == {}
 
 
 @pytest.mark.parametrize("one, tree, wins", [((1.0, 2.0), (1.10, 1.0), True),   # faster at 1 row, 10% slower at 16
@@ -232,3 +234,62 @@ def test_the_probe_takes_compact_where_a_step_is_faster_and_a_tree_not_much_slow
     ms = {(1, "compact"): one[0], (1, "dense"): one[1], (16, "compact"): tree[0], (16, "dense"): tree[1]}
     monkeypatch.setattr(compact, "best_ms", lambda fns, repeats: {k: ms[k] for k in fns})
     assert compact.probe()[0] is wins
+
+
+# -- embedding and head rows kept compact (CausalLM.compact_tables) -----------------------------------------
+@pytest.mark.skipif(kernels.unsupported(torch.float32) is not None, reason="no packed fp32 linear here")
+@pytest.mark.parametrize("path, tied", [("packed", False), ("compact", False), ("packed", True)])
+def test_a_loaded_fp32_model_keeps_its_embedding_and_head_rows_compact_and_exact(tmp_path, fresh_choice, path, tied):
+    """The input embedding and the output head's rows (what drafting gathers) are kept in their exact compact
+    form, not as dense fp32 copies: every lookup and row is the checkpoint's to the bit, greedy decoding and
+    speculation are unchanged, and transformers' own generate (the peers') runs on the model as loaded."""
+    from tiny import char_tokenizer, save_tiny
+
+    from treegraft_dist.models import draft
+    from treegraft_dist.models.loading import load_model
+
+    fresh_choice.setenv(kernels.LINEAR_ENV, path)
+    model = bf16_exact(tiny_model("llama", seed=7, tie_word_embeddings=tied))
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    folder = save_tiny(tmp_path / "t", model, char_tokenizer())
+    mid_folder = save_tiny(tmp_path / "m", bf16_exact(perturbed_copy(model, 0.3, 8)), char_tokenizer())
+    target, middle = load_model(folder, "cpu", "float32").lm, load_model(mid_folder, "cpu", "float32", drafter=True).lm
+    stock = load_model(folder, "cpu", "float32", pack=False).lm
+    for lm in (target, middle):
+        assert isinstance(lm.model.get_input_embeddings(), compact.CompactEmbedding)
+        assert lm.head.weight is None and lm.head_table is not None
+    assert (target.model.get_input_embeddings().table is target.head_table) == tied
+    ids = torch.arange(stock.vocab_size)
+    assert torch.equal(target.head_rows(ids), stock.head.weight)
+    grid = torch.tensor([[3, 9, 27], [81, 5, 0]])
+    assert torch.equal(target.model.get_input_embeddings()(grid), stock.model.get_input_embeddings()(grid))
+    # a drafting head over some ids takes its rows from the table
+    draft.set_draft_vocabulary(target, np.array([0, 4, 9, 50, 95]))
+    h = target.hidden(target.new_cache(), torch.arange(3, 13), torch.arange(10))
+    assert torch.allclose(target.draft_logits(h), target.logits(h)[:, [0, 4, 9, 50, 95]], rtol=1e-5, atol=1e-5)
+    draft.set_draft_vocabulary(target, None)
+
+    prompt = [3, 9, 27, 81, 5, 3, 9, 27, 11, 40, 3, 9]
+    dec = Decoder(target, middle, TreeConfig(budget=16))
+    ref = dec.generate(prompt, 24, "ar").tokens
+    assert ref == Decoder(stock).generate(prompt, 24, "ar").tokens
+    for method in ("all-small", "all-mid", "01010"):
+        assert dec.generate(prompt, 24, method).tokens == ref, method
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        greedy = target.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assisted = target.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                         assistant_model=middle.model)
+    assert greedy[0, len(prompt):].tolist() == ref[:12] == assisted[0, len(prompt):].tolist()
+
+
+def test_weights_without_an_exact_compact_form_stay_dense(tmp_path, fresh_choice):
+    from tiny import char_tokenizer, save_tiny
+
+    from treegraft_dist.models.loading import load_model
+
+    fresh_choice.setenv(kernels.LINEAR_ENV, "packed")
+    lm = load_model(save_tiny(tmp_path / "t", tiny_model("llama", seed=9), char_tokenizer()), "cpu", "float32").lm
+    assert isinstance(lm.model.get_input_embeddings(), torch.nn.Embedding)
+    assert lm.head.weight is not None and lm.head_table is None
+    assert lm.compact_tables() == 0

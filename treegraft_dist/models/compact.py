@@ -148,8 +148,9 @@ def fingerprint(first_row: torch.Tensor) -> str:  # first_row: [K]
     return hashlib.sha1(first_row[:64].float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def load_groups(folder: str | os.PathLike) -> dict[str, Groups]:
-    """The int8 group forms prepare.py kept beside a model folder, keyed by `fingerprint` ({} if none)."""
+def load_groups(folder: str | os.PathLike, only: set[str] | None = None) -> dict[str, Groups]:
+    """The int8 group forms prepare.py kept beside a model folder, keyed by `fingerprint` ({} if none); `only`:
+    the fingerprints wanted (each form's first row is read to tell, the rest only for those)."""
     path = Path(folder) / GROUPS_FILE
     if not path.is_file():
         return {}
@@ -157,16 +158,18 @@ def load_groups(folder: str | os.PathLike) -> dict[str, Groups]:
 
     out: dict[str, Groups] = {}
     with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
+        meta, keys = f.metadata() or {}, set(f.keys())
         for name, group in meta.items():
             if not name.startswith("group:"):
                 continue
             base = name.removeprefix("group:")
-            q, scale = f.get_tensor(f"{base}.q"), f.get_tensor(f"{base}.scale")
-            keys = set(f.keys())
-            offset = f.get_tensor(f"{base}.offset") if f"{base}.offset" in keys else _EMPTY
-            g = Groups(q, scale, offset, int(group))
-            out[fingerprint(g.form().rows(torch.tensor([0])).decode()[0])] = g
+            names = [f"{base}.q", f"{base}.scale"] + ([f"{base}.offset"] if f"{base}.offset" in keys else [])
+            first = [f.get_slice(n)[0:1] for n in names]
+            key = fingerprint(Groups(*first, *([_EMPTY] if len(first) == 2 else []), int(group)).form().decode()[0])
+            if only is not None and key not in only:
+                continue
+            q, scale, *offset = (f.get_tensor(n) for n in names)
+            out[key] = Groups(q, scale, offset[0] if offset else _EMPTY, int(group))
     return out
 
 
@@ -178,16 +181,61 @@ def exact_form(weight: torch.Tensor, groups: dict[str, Groups] | None = None) ->
     n, k = weight.shape
     if groups:
         g = groups.get(fingerprint(weight[0]))
-        if g is not None and tuple(g.q.shape) == (n, k):
-            form = g.form()
-            ext, _ = extension()
-            if torch.equal(ext.decode(*form.args()) if ext is not None else form.decode(), weight):
-                return form
+        if g is not None and tuple(g.q.shape) == (n, k) and holds(g.form(), weight):
+            return g.form()
     for kind, dtype in ((_BF16, torch.bfloat16), (_FP16, torch.float16)):
-        half = weight.to(dtype)
-        if torch.equal(half.float(), weight):
-            return CompactWeight(kind, n, k, w16=half.view(torch.int16).contiguous())
+        form = CompactWeight(kind, n, k, w16=weight.to(dtype).view(torch.int16))
+        if holds(form, weight):
+            return form
     return None
+
+
+def holds(form: CompactWeight, weight: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether `form` decodes to `weight` [N, K] bit for bit (compared `rows` rows at a time: a whole decoded
+    copy of an output head would weigh as much as the head)."""
+    return all(torch.equal(decode(form.rows(torch.arange(s, min(s + rows, form.n)))), weight[s : s + rows])
+               for s in range(0, form.n, rows))
+
+
+def decode(form: CompactWeight) -> torch.Tensor:  # [N, K] fp32
+    """The fp32 weight a form holds, decoded as `exact_form` checked it (the kernel's decoder where it runs)."""
+    ext, _ = extension()
+    return ext.decode(*form.args()) if ext is not None else form.decode()
+
+
+class RowTable:
+    """An fp32 matrix [N, K] kept in an exact compact form, for reads of a few rows at a time: an embedding's
+    lookups, the rows of an output head that drafting gathers. Each read decodes just its rows, to the fp32
+    values to the bit, where the matrix itself would weigh two to four times as much."""
+
+    def __init__(self, form: CompactWeight):
+        self.form = form
+        self.shape = (form.n, form.k)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., K] fp32
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        return decode(self.form.rows(ids.reshape(-1))).view(*ids.shape, self.form.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.form.nbytes
+
+
+class CompactEmbedding(nn.Module):
+    """An input embedding over a `RowTable`: the rows `nn.Embedding` would return, bit for bit (no padding
+    row gradient, no max_norm: a decoding model's lookups only)."""
+
+    def __init__(self, table: RowTable):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., K] fp32
+        return self.table[input_ids]
+
+    def extra_repr(self) -> str:
+        kind = ("bf16", "fp16", f"int8 groups of {self.table.form.group}")[self.table.form.kind]
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"
 
 
 def probe() -> tuple[bool, str]:

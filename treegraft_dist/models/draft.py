@@ -70,7 +70,7 @@ def set_draft_vocabulary(lm: CausalLM, ids: np.ndarray | None) -> None:
         return
     bias = getattr(lm.head, "bias", None)
     with torch.no_grad():
-        weight = lm.head.weight.detach()[index]
+        weight = lm.head_rows(index)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=lm.device,
                          dtype=weight.dtype)
         head.weight.copy_(weight)

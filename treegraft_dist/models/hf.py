@@ -135,6 +135,7 @@ class CausalLM:
         self.quantized = False  # decoder linears in int8 (draft.py; drafters only)
         self.draft_vocab: torch.Tensor | None = None  # [V'] ascending ids top_logprobs covers; None = all
         self.draft_head = None  # callable [n, hidden] -> [n, V'] over draft_vocab
+        self.head_table = None  # the head's rows in an exact compact form, where its dense weight went (compact_tables)
         if self.device.type == "cpu":
             os.environ.setdefault(SDPA_GQA_ENV, "1")  # =0 keeps transformers' copies
         elif self.device.type == "cuda" and os.environ.get(CUDNN_SDPA_ENV) != "1":
@@ -152,6 +153,54 @@ class CausalLM:
             self.compact = compact.compress(self.model, groups, keep_dense=(self.head,)) > 0
             self.head = self.model.get_output_embeddings()
         return self.compact
+
+    def compact_tables(self, folder: str | None = None) -> int:
+        """On a CPU in fp32, once the linears run packed or compact: keep the input embedding and the output
+        head's rows (which drafting gathers: `head_rows`) in an exact compact form where one exists (16-bit
+        values, or the int8 groups prepare.py kept in the model's `folder`), in place of their dense fp32
+        copies. Returns the bytes given back (0.64 GB each for the embedded target's, 0.39 GB each for its
+        middle drafter's). Weights are final afterwards."""
+        from . import compact
+
+        if self.device.type != "cpu" or self.dtype != compact.DTYPE or not (self.packed or self.compact):
+            return 0
+        embedding = self.model.get_input_embeddings()
+        tables: dict[int, compact.RowTable] = {}  # by the dense weight's id: a tied pair shares one table
+        dropped: dict[int, int] = {}  # bytes of each dense weight given back, by id
+        added = 0
+
+        def table(weight: torch.Tensor, form=None) -> compact.RowTable | None:
+            nonlocal added
+            if id(weight) not in tables:
+                # one weight's groups at a time, each dense copy given back before the next is read
+                groups = {} if form is not None or folder is None else \
+                    compact.load_groups(folder, only={compact.fingerprint(weight.detach()[0])})
+                made = form or compact.exact_form(weight, groups)
+                if made is None:
+                    return None
+                tables[id(weight)] = compact.RowTable(made)
+                added += 0 if form is not None else made.nbytes  # a compact head's form is already kept
+            dropped[id(weight)] = weight.numel() * weight.element_size()
+            return tables[id(weight)]
+
+        with torch.no_grad():
+            if isinstance(embedding, torch.nn.Embedding) and embedding.max_norm is None:
+                rows = table(embedding.weight)
+                if rows is not None:
+                    self.model.set_input_embeddings(compact.CompactEmbedding(rows))
+            del embedding  # its dense weight goes now (unless the head shares it)
+            weight = getattr(self.head, "weight", None)
+            if weight is not None:
+                rows = table(weight, getattr(self.head, "form", None))
+                if rows is not None:
+                    self.head.weight = None
+                    self.head_table = rows
+        return sum(dropped.values()) - added
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:  # [n] int64 -> [n, hidden]
+        """Rows of the output head's weight (exact: from its dense copy, or its compact table)."""
+        weight = getattr(self.head, "weight", None)
+        return weight[ids] if weight is not None else self.head_table[ids]
 
     def pack_linears(self) -> bool:
         """On a CPU, run the linear layers (those not compact) through oneDNN on weights packed once where that
@@ -251,7 +300,7 @@ class CausalLM:
         vocab, extra_rows = self.draft_vocab, None
         if extra is not None and len(extra) and vocab is not None:
             extra = extra.to(self.device)
-            extra_rows = self.head.weight[extra]  # [E, hidden]: a small gather, not a second packed head
+            extra_rows = self.head_rows(extra)  # [E, hidden]: a small gather, not a second packed head
             vocab = torch.cat([vocab, extra])
         lse, tokens, logprobs = [], [], []
         for s in range(0, len(hidden), chunk):
@@ -296,7 +345,7 @@ class CausalLM:
         tokens: torch.Tensor,  # [n] int64
     ) -> torch.Tensor:  # [n] fp32
         """Logit of one given token per row, without materialising the whole vocabulary."""
-        w = self.head.weight[tokens.to(self.device)]
+        w = self.head_rows(tokens.to(self.device))
         out = (hidden * w).sum(-1)
         if getattr(self.head, "bias", None) is not None:
             out = out + self.head.bias[tokens.to(self.device)]

@@ -197,6 +197,7 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto",
             draft.quantize_middle(lm)  # int8 decoder linears where faster (inexact: drafting only)
         lm.compact_linears(_resolve_folder(source))
         lm.pack_linears()
+        lm.compact_tables(_resolve_folder(source))
     loaded = LoadedModel(lm, tok, source)
     always = draft.special_ids(tok, loaded.eos_ids)
     draft.set_draft_vocabulary(lm, draft.draft_vocabulary(lm.vocab_size, draft.vocab_setting(), always))
