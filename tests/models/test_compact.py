@@ -293,3 +293,21 @@ def test_weights_without_an_exact_compact_form_stay_dense(tmp_path, fresh_choice
     assert isinstance(lm.model.get_input_embeddings(), torch.nn.Embedding)
     assert lm.head.weight is not None and lm.head_table is None
     assert lm.compact_tables() == 0
+
+
+@pytest.mark.skipif(kernels.unsupported(torch.float32) is not None, reason="no packed fp32 linear here")
+def test_an_embedding_that_computes_more_than_a_lookup_stays_as_it_is_and_so_does_a_head_tied_to_it(fresh_choice):
+    class Scaled(torch.nn.Embedding):  # as some architectures scale their embeddings
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    fresh_choice.setenv(kernels.LINEAR_ENV, "packed")
+    model = bf16_exact(tiny_model("llama", seed=10, tie_word_embeddings=True))
+    old = model.get_input_embeddings()
+    scaled = Scaled(old.num_embeddings, old.embedding_dim)
+    scaled.weight = old.weight
+    model.set_input_embeddings(scaled)
+    lm = CausalLM(model)
+    assert lm.pack_linears()
+    assert lm.compact_tables() == 0
+    assert model.get_input_embeddings() is scaled and lm.head.weight is scaled.weight and lm.head_table is None

@@ -184,13 +184,16 @@ class CausalLM:
             return tables[id(weight)]
 
         with torch.no_grad():
-            if isinstance(embedding, torch.nn.Embedding) and embedding.max_norm is None:
+            kept = getattr(embedding, "weight", None)  # stays dense where the embedding is not replaced
+            # exactly nn.Embedding: a subclass may compute more than a lookup (a scaled embedding)
+            if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
                 rows = table(embedding.weight)
                 if rows is not None:
                     self.model.set_input_embeddings(compact.CompactEmbedding(rows))
+                    kept = None
             del embedding  # its dense weight goes now (unless the head shares it)
             weight = getattr(self.head, "weight", None)
-            if weight is not None:
+            if weight is not None and weight is not kept:  # a head tied to a dense embedding reads its rows
                 rows = table(weight, getattr(self.head, "form", None))
                 if rows is not None:
                     self.head.weight = None
