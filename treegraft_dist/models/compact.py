@@ -164,8 +164,8 @@ def load_groups(folder: str | os.PathLike, only: set[str] | None = None) -> dict
                 continue
             base = name.removeprefix("group:")
             names = [f"{base}.q", f"{base}.scale"] + ([f"{base}.offset"] if f"{base}.offset" in keys else [])
-            first = [f.get_slice(n)[0:1] for n in names]
-            key = fingerprint(Groups(*first, *([_EMPTY] if len(first) == 2 else []), int(group)).form().decode()[0])
+            q, scale, *offset = (f.get_slice(n)[0:1] for n in names)  # first rows: enough for the key
+            key = fingerprint(Groups(q, scale, offset[0] if offset else _EMPTY, int(group)).form().decode()[0])
             if only is not None and key not in only:
                 continue
             q, scale, *offset = (f.get_tensor(n) for n in names)

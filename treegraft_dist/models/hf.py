@@ -165,40 +165,41 @@ class CausalLM:
         if self.device.type != "cpu" or self.dtype != compact.DTYPE or not (self.packed or self.compact):
             return 0
         embedding = self.model.get_input_embeddings()
-        tables: dict[int, compact.RowTable] = {}  # by the dense weight's id: a tied pair shares one table
-        dropped: dict[int, int] = {}  # bytes of each dense weight given back, by id
-        added = 0
 
-        def table(weight: torch.Tensor, form=None) -> compact.RowTable | None:
-            nonlocal added
-            if id(weight) not in tables:
-                # one weight's groups at a time, each dense copy given back before the next is read
-                groups = {} if form is not None or folder is None else \
-                    compact.load_groups(folder, only={compact.fingerprint(weight.detach()[0])})
-                made = form or compact.exact_form(weight, groups)
-                if made is None:
-                    return None
-                tables[id(weight)] = compact.RowTable(made)
-                added += 0 if form is not None else made.nbytes  # a compact head's form is already kept
-            dropped[id(weight)] = weight.numel() * weight.element_size()
-            return tables[id(weight)]
+        def exact_rows(weight: torch.Tensor) -> compact.RowTable | None:
+            # one weight's groups at a time, each dense copy given back before the next is read
+            wanted = {compact.fingerprint(weight.detach()[0])}
+            groups = {} if folder is None else compact.load_groups(folder, only=wanted)
+            form = compact.exact_form(weight, groups)
+            return None if form is None else compact.RowTable(form)
 
+        saved, rows = 0, None
         with torch.no_grad():
-            kept = getattr(embedding, "weight", None)  # stays dense where the embedding is not replaced
+            dense = getattr(embedding, "weight", None)
+            tied = dense is not None and getattr(self.head, "weight", None) is dense
             # exactly nn.Embedding: a subclass may compute more than a lookup (a scaled embedding)
             if type(embedding) is torch.nn.Embedding and embedding.max_norm is None:
-                rows = table(embedding.weight)
+                rows = exact_rows(dense)
                 if rows is not None:
                     self.model.set_input_embeddings(compact.CompactEmbedding(rows))
-                    kept = None
-            del embedding  # its dense weight goes now (unless the head shares it)
+                    saved += dense.numel() * dense.element_size() - rows.nbytes
+            del embedding, dense  # the dense embedding goes now (unless it stays, or the head shares it)
             weight = getattr(self.head, "weight", None)
-            if weight is not None and weight is not kept:  # a head tied to a dense embedding reads its rows
-                rows = table(weight, getattr(self.head, "form", None))
-                if rows is not None:
-                    self.head.weight = None
-                    self.head_table = rows
-        return sum(dropped.values()) - added
+            if weight is None or (tied and rows is None):  # a head tied to a dense embedding reads its rows
+                return saved
+            if tied:  # the embedding's table serves the head's rows too
+                table = rows
+            elif isinstance(self.head, compact.CompactLinear):  # its form is kept already
+                table = compact.RowTable(self.head.form)
+                saved += weight.numel() * weight.element_size()
+            else:
+                table = exact_rows(weight)
+                if table is None:
+                    return saved
+                saved += weight.numel() * weight.element_size() - table.nbytes
+            self.head.weight = None
+            self.head_table = table
+        return saved
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:  # [n] int64 -> [n, hidden]
         """Rows of the output head's weight (exact: from its dense copy, or its compact table)."""
