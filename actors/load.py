@@ -53,7 +53,7 @@ class LoadBudgeting:
         with self.lock:
             while self.batcher.unread:  # what passes really cost, shared as they are
                 lb.observe_pass(*self.batcher.unread.popleft())
-        if stats.accepted:
+        if stats.accepted and payoff.middle:  # exploring rounds (the n-gram drafter alone) would skew it
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
         return lb(self.admission.active, drafting_ms, payoff if paced else None, reading)
 

@@ -172,6 +172,8 @@ class LoadBudget:
         self.budget, self.alpha, self.smoothing = budget, alpha, smoothing
         self.sizes = np.array(sorted(costs), dtype=np.float64)  # [S] profiled pass rows, ascending
         self.ms = np.array([costs[k] for k in sorted(costs)], dtype=np.float64)  # [S] ms of each
+        self.profile = self.ms.copy()  # [S] as profiled (its ratios bound the learned curve above what passes reach)
+        self.reached = 0  # index of the largest profiled size a pass has moved (observe_pass)
         b, self.candidates = 1, []
         while b < budget:
             self.candidates.append(b)
@@ -199,6 +201,11 @@ class LoadBudget:
         err = ms - self.cost(rows)
         self.ms[lo] += rate * (1 - w) * err
         self.ms[hi] += rate * w * err
+        # Sizes above the largest a pass reached cost at least what the profile's growth from there says: a curve
+        # raised where passes ran must not leave the sizes above it cheaper than the profile's ratios.
+        self.reached = max(self.reached, hi)
+        for j in range(self.reached + 1, len(self.ms)):
+            self.ms[j] = max(self.ms[j], self.ms[j - 1] * self.profile[j] / self.profile[j - 1])
 
     def observe(self, size: int, accepted: int) -> None:
         """A round verified `size` nodes and accepted `accepted` tokens (bonus included)."""
