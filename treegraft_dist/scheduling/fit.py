@@ -162,13 +162,19 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
                          f"prompts (there are {len(np.unique(rounds.prompt_ids))}) or change --heldout-fraction")
     log(f"budget {budget}, call cap {cap}: fitting value heads on {len(train)} rounds, "
         f"{len(candidates)} signal subsets")
-    heads_by, scored = {}, {}
+    heads_by, scored, fitted = {}, {}, {}
+    states = train.signals[:, :NUM_DECISION_STATES]
     for name, subset in candidates.items():
-        heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
-        err = heads.heldout_error(held)
-        implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
-        heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
-        log(f"  {name}: held-out error {err['mean']:.3f}, implied {implied:.2f} tok/s")
+        same = fitted.get(value.informative(subset, states))
+        if same is not None:  # the same signals once the constant ones are left out: the same heads, fitted once
+            heads_by[name], scored[name] = heads_by[same], scored[same]
+        else:
+            heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
+            err = heads.heldout_error(held)
+            implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
+            heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
+            fitted[heads.subset] = name
+        log(f"  {name}: held-out error {scored[name]['error']:.3f}, implied {scored[name]['speed']:.2f} tok/s")
     fastest = max(s["speed"] for s in scored.values())
     best = min((n for n in candidates if scored[n]["speed"] >= (1 - SPEED_TIE) * fastest),
                key=lambda n: scored[n]["error"])
