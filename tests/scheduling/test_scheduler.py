@@ -201,6 +201,52 @@ def test_value_heads_are_deterministic_with_a_seed():
     assert all(np.array_equal(pa[h], pb[h]) for h in value.HEADS)
 
 
+def test_heads_trained_together_learn_what_each_learns_alone():
+    """_train_together stacks several nets into batched products under one Adam: each net follows its own
+    mini-batches and targets, as `_train` alone would (up to the order of floating-point sums)."""
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(600, 9)).astype(np.float32) for _ in range(3)]
+    ys = [np.tanh(x[:, k]) + 0.1 * rng.normal(size=600) for k, x in enumerate(xs)]  # each net its own task
+    alone, together = [], []
+    for k in range(3):
+        for out in (alone, together):
+            torch.manual_seed(k)
+            out.append(value._mlp(9, 16))
+    for k in range(3):
+        value._train(alone[k], xs[k], ys[k], 10 + k, 2, 3e-3, 128)
+    value._train_together(together, xs, ys, [10 + k for k in range(3)], 2, 3e-3, 128)
+    for a, b in zip(alone, together):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=0, atol=1e-4)
+        assert not b.training
+    # Trained longer, each still learns its own target (not a neighbour's).
+    value._train_together(together, xs, ys, [1, 2, 3], 30, 3e-3, 128)
+    with torch.no_grad():
+        fit = [float(np.mean((b(torch.from_numpy(x)).squeeze(-1).numpy() - y) ** 2) / np.var(y))
+               for b, x, y in zip(together, xs, ys)]
+    assert max(fit) < 0.2
+
+
+def test_speed_bound_is_the_best_total_rate_of_any_schedule_choice():
+    """The per-round oracle maximises each round's rate; the bound maximises total accepted / total time
+    over every choice of one feasible schedule per round (brute force over 3 rounds here)."""
+    from treegraft_dist.scheduling.fit import oracle_schedules, speed, speed_bound
+
+    rounds = synthetic_rounds(3, seed=4)
+    rng = np.random.default_rng(1)
+    rounds.accepted = rng.integers(1, 12, size=rounds.accepted.shape).astype(np.float64)
+    rounds.latency_ms = rng.uniform(20, 400, size=rounds.latency_ms.shape)
+    # One slow round the per-round oracle cannot fix: a long low-rate schedule elsewhere lifts the total.
+    rounds.accepted[0], rounds.latency_ms[0] = 1.0, 2000.0
+    for cap in (None, 2):
+        ok = np.flatnonzero(value.feasible(cap))
+        best = max(speed(rounds, np.array(choice)) for choice in itertools.product(ok, repeat=len(rounds)))
+        bound = speed_bound(rounds, cap)
+        assert bound == pytest.approx(best, rel=1e-12)
+        assert bound >= speed(rounds, oracle_schedules(rounds, cap))
+    assert speed_bound(rounds, None) > speed(rounds, oracle_schedules(rounds, None))  # the case above
+
+
 def test_value_head_margins_equal_brute_force():
     rounds = synthetic_rounds(3, seed=8)
     heads = value.fit_value_heads(rounds, epochs=0, seed=3)  # untrained: any function will do

@@ -113,20 +113,33 @@ def same_drafting(a: TreeConfig, b: TreeConfig, any_width: bool = False) -> bool
 
 def choose_width(sets: list[Trajectories], cost: CostModel, log=print) -> tuple[Trajectories, int]:
     """The trajectory set (one per tree width) and budget where the scheduled decode of the held-out prompts,
-    priced with `cost`, is fastest (fit.budget_speeds on each set; ties: the earlier set, the smaller budget)."""
-    from .fit import budget_speeds
+    priced with `cost`, is fastest (fit.budget_row at each; ties: the earlier set, the smaller budget).
 
-    best = None
-    for traj in sets:
-        width = traj.manifest["tree"]["top_k"]
-        log(f"tree width {width}: held-out tok/s by budget (cost model)")
-        speeds = budget_speeds(priced(traj, cost), 0.25, 0, log=log, budgets=measured_budgets(traj, cost))
-        for b, row in speeds.items():
-            if best is None or row["scheduled"] > best[0]:
-                best = (row["scheduled"], traj, b)
-    _, traj, budget = best
-    log(f"chosen: tree width {traj.manifest['tree']['top_k']}, budget {budget} ({best[0]:.2f} tok/s)")
-    return traj, budget
+    Each candidate costs a fit of the value heads, so they are taken from the highest `fit.budget_bound` down,
+    and one whose bound is below a scheduled speed already reached is not fitted: it cannot be chosen."""
+    from .fit import budget_bound, budget_row
+
+    priced_sets = [priced(traj, cost) for traj in sets]
+    bounds = {(i, b): budget_bound(traj, b, 0.25, 0)
+              for i, traj in enumerate(priced_sets) for b in measured_budgets(traj, cost)}
+    rows, reached = {}, 0.0
+    for i, b in sorted(bounds, key=lambda c: -bounds[c]):
+        if bounds[i, b] < reached:
+            break
+        rows[i, b] = budget_row(priced_sets[i], b, 0.25, 0)
+        reached = max(reached, rows[i, b]["scheduled"])
+    for i, traj in enumerate(sets):
+        log(f"tree width {traj.manifest['tree']['top_k']}: held-out tok/s by budget (cost model)")
+        for (j, b), bound in bounds.items():
+            if j != i:
+                continue
+            row = rows.get((i, b))
+            log(f"  budget {b}: " + (", ".join(f"{k} {v:.2f}" for k, v in row.items()) if row is not None else
+                                     f"at most {bound:.2f} tok/s, below the {reached:.2f} reached: not fitted") + ("" if row is None else " tok/s"))
+    i, budget = max(rows, key=lambda c: (rows[c]["scheduled"], -c[0], -c[1]))
+    log(f"chosen: tree width {sets[i].manifest['tree']['top_k']}, budget {budget} ({rows[i, budget]['scheduled']:.2f} "
+        "tok/s)")
+    return sets[i], budget
 
 
 def scheduler_for_device(pair: tuple[str, str], target: CausalLM, target_source: str, middle: CausalLM,

@@ -37,6 +37,7 @@ from .value import (
     feasible,
     fit_scheduler,
     fit_value_heads,
+    fit_value_heads_each,
     split_rounds,
 )
 
@@ -83,18 +84,45 @@ def reference_speeds(rounds: Rounds, max_calls: int | None) -> dict[str, float]:
             "all-mid": speed(rounds, np.full(len(rounds), len(SCHEDULES) - 1))}
 
 
+def speed_bound(rounds: Rounds, max_calls: int | None) -> float:
+    """The most tokens/s that any choice of one feasible schedule per round reaches on `rounds`: total
+    accepted over total time, maximised by Dinkelbach's iteration from the per-round oracle's choice (which
+    maximises each round's own rate, not always the total's). No scheduler can beat it."""
+    ok = feasible(max_calls)
+    accepted, seconds = rounds.accepted[:, ok].astype(np.float64), rounds.latency_ms[:, ok] / 1e3
+    idx = np.arange(len(rounds))
+    rate = speed(rounds, oracle_schedules(rounds, max_calls))
+    while True:
+        pick = np.argmax(accepted - rate * seconds, axis=1)
+        better = float(accepted[idx, pick].sum() / seconds[idx, pick].sum())
+        if better <= rate:
+            return rate
+        rate = better
+
+
+def budget_row(traj: Trajectories, budget: int, heldout_fraction: float, seed: int,
+               value_fit: dict | None = None) -> dict[str, float]:
+    """Held-out tokens/s (cost model) at one recorded budget of: the value heads on all 17 signals followed
+    greedily (what a scheduler can reach there), the capped oracle, all-small and all-mid."""
+    cap = call_cap(traj.cost, budget)
+    train, held = split_rounds(traj.rounds(budget), heldout_fraction, seed)
+    heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed,
+                            **{"epochs": BUDGET_SCAN_EPOCHS, **(value_fit or {})})
+    return {"scheduled": speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap)),
+            **reference_speeds(held, cap)}
+
+
+def budget_bound(traj: Trajectories, budget: int, heldout_fraction: float, seed: int) -> float:
+    """`speed_bound` of the held-out rounds at `budget`: what budget_row's "scheduled" can at most reach."""
+    return speed_bound(split_rounds(traj.rounds(budget), heldout_fraction, seed)[1], call_cap(traj.cost, budget))
+
+
 def budget_speeds(traj: Trajectories, heldout_fraction: float, seed: int, value_fit: dict | None = None,
                   log=print, budgets: tuple[int, ...] | None = None) -> dict[int, dict[str, float]]:
-    """Per recorded budget (or per one of `budgets`), held-out tokens/s (cost model) of: the value heads on all
-    17 signals followed greedily (what a scheduler can reach there), the capped oracle, all-small and all-mid."""
+    """budget_row per recorded budget (or per one of `budgets`)."""
     out = {}
     for b in budgets or traj.budgets:
-        cap = call_cap(traj.cost, b)
-        train, held = split_rounds(traj.rounds(b), heldout_fraction, seed)
-        heads = fit_value_heads(train, CANDIDATE_SUBSETS["all"], seed=seed,
-                                **{"epochs": BUDGET_SCAN_EPOCHS, **(value_fit or {})})
-        out[b] = {"scheduled": speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap)),
-                  **reference_speeds(held, cap)}
+        out[b] = budget_row(traj, b, heldout_fraction, seed, value_fit)
         log(f"  budget {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[b].items()) + " tok/s")
     return out
 
@@ -164,12 +192,15 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
         f"{len(candidates)} signal subsets")
     heads_by, scored, fitted = {}, {}, {}
     states = train.signals[:, :NUM_DECISION_STATES]
+    # Subsets that leave the same signals once the constant ones are out have the same heads: fitted once.
+    distinct = list(dict.fromkeys(value.informative(subset, states) for subset in candidates.values()))
+    fitted_heads = dict(zip(distinct, fit_value_heads_each(train, distinct, seed=seed, **(value_fit or {}))))
     for name, subset in candidates.items():
         same = fitted.get(value.informative(subset, states))
-        if same is not None:  # the same signals once the constant ones are left out: the same heads, fitted once
+        if same is not None:
             heads_by[name], scored[name] = heads_by[same], scored[same]
         else:
-            heads = fit_value_heads(train, subset, seed=seed, **(value_fit or {}))
+            heads = fitted_heads[value.informative(subset, states)]
             err = heads.heldout_error(held)
             implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
             heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}

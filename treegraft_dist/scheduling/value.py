@@ -192,6 +192,45 @@ def _train(net: torch.nn.Module, x: np.ndarray, y: np.ndarray, seed: int, epochs
     net.eval()
 
 
+def _train_together(nets: list[torch.nn.Sequential], xs: list[np.ndarray], ys: list[np.ndarray], seeds: list[int],
+                    epochs: int, lr: float, batch: int) -> None:
+    """`_train` of several `_mlp`s of one shape in one loop: each net on its own inputs, targets and mini-batch
+    order (its seed), their weights stacked into batched products under one Adam, which updates every
+    element on its own. Each net learns what it would alone, up to the order of floating-point sums; the
+    loop's per-step cost is paid once for all of them. xs: [n, in] float32 each, ys: [n] each (one n)."""
+    if not nets:
+        return
+    x = torch.stack([torch.from_numpy(np.ascontiguousarray(a, np.float32)) for a in xs])  # [H, n, in]
+    y = torch.stack([torch.from_numpy(np.asarray(b, np.float32)) for b in ys])  # [H, n]
+    layers = [[m for m in net if isinstance(m, torch.nn.Linear)] for net in nets]
+    depth = len(layers[0])
+    weights = [torch.stack([ls[i].weight.detach().t() for ls in layers]).contiguous().requires_grad_()
+               for i in range(depth)]  # [H, in, out]
+    biases = [torch.stack([ls[i].bias.detach() for ls in layers])[:, None].contiguous().requires_grad_()
+              for i in range(depth)]  # [H, 1, out]
+    opt = torch.optim.Adam(weights + biases, lr=lr)
+    orders = [torch.Generator().manual_seed(s) for s in seeds]
+    which = torch.arange(len(nets))[:, None]
+    for _ in range(epochs):
+        perm = torch.stack([torch.randperm(x.shape[1], generator=g) for g in orders])  # [H, n]
+        for idx in perm.split(batch, dim=1):  # [H, b]
+            opt.zero_grad(set_to_none=True)
+            h = x[which, idx]
+            for i in range(depth):
+                h = torch.baddbmm(biases[i], h, weights[i])
+                h = torch.relu(h) if i < depth - 1 else h
+            loss = ((h.squeeze(-1) - y[which, idx]) ** 2).mean(1).sum()  # each net's MSE; their gradients are apart
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        for k, ls in enumerate(layers):
+            for i, layer in enumerate(ls):
+                layer.weight.copy_(weights[i][k].t())
+                layer.bias.copy_(biases[i][k, 0])
+    for net in nets:
+        net.eval()
+
+
 def _zscore(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # x: [n, 17] -> mean [17], std [17]
     mean = x.mean(0)
     std = x.std(0)
@@ -303,18 +342,32 @@ def _examples(rounds: Rounds) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
 def fit_value_heads(rounds: Rounds, subset=SIGNAL_NAMES, seed: int = 0, hidden: int = 64, epochs: int = 40,
                     lr: float = 3e-3, batch: int = 256) -> ValueHeads:
     """Fit the four heads (Adam, MSE on standardised targets); the same seed gives the same heads."""
+    return fit_value_heads_each(rounds, [subset], seed, hidden, epochs, lr, batch)[0]
+
+
+def fit_value_heads_each(rounds: Rounds, subsets, seed: int = 0, hidden: int = 64, epochs: int = 40,
+                         lr: float = 3e-3, batch: int = 256) -> list[ValueHeads]:
+    """fit_value_heads for each of `subsets` on the same rounds, every head of every subset trained at once
+    (_train_together)."""
     states = rounds.signals[:, :NUM_DECISION_STATES].reshape(-1, NUM_SIGNALS)
     mean, std = _zscore(states)
-    heads = ValueHeads(informative(subset, states), mean, std, {}, {})
-    for k, (h, (x, s, y)) in enumerate(_examples(rounds).items()):
-        mu, sd = float(y.mean()), max(float(y.std()), _STD_FLOOR)
-        heads.target_norm[h] = (mu, sd)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + k)
-            net = _mlp(NUM_SIGNALS + SUFFIX_WIDTH, hidden)
-        _train(net, heads._inputs(x, s).numpy(), (y - mu) / sd, seed + k, epochs, lr, batch)
-        heads.nets[h] = net
-    return heads
+    examples = _examples(rounds)
+    out, nets, xs, ys, seeds = [], [], [], [], []
+    for subset in subsets:
+        heads = ValueHeads(informative(subset, states), mean, std, {}, {})
+        for k, (h, (x, s, y)) in enumerate(examples.items()):
+            mu, sd = float(y.mean()), max(float(y.std()), _STD_FLOOR)
+            heads.target_norm[h] = (mu, sd)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + k)
+                heads.nets[h] = _mlp(NUM_SIGNALS + SUFFIX_WIDTH, hidden)
+            nets.append(heads.nets[h])
+            xs.append(heads._inputs(x, s).numpy())
+            ys.append((y - mu) / sd)
+            seeds.append(seed + k)
+        out.append(heads)
+    _train_together(nets, xs, ys, seeds, epochs, lr, batch)
+    return out
 
 
 # -- which signals ------------------------------------------------------------------------------------
@@ -346,10 +399,8 @@ def choose_subset(train: Rounds, heldout: Rounds, candidates: dict[str, tuple[st
     if not len(train) or not len(heldout):
         raise ValueError(f"choose_subset needs rounds on both sides: train has {len(train)}, "
                          f"heldout {len(heldout)}")
-    fitted, errors = {}, {}
-    for name, subset in candidates.items():
-        fitted[name] = fit_value_heads(train, subset, seed=seed, **fit)
-        errors[name] = fitted[name].heldout_error(heldout)
+    fitted = dict(zip(candidates, fit_value_heads_each(train, list(candidates.values()), seed=seed, **fit)))
+    errors = {name: heads.heldout_error(heldout) for name, heads in fitted.items()}
     best = min(candidates, key=lambda n: errors[n]["mean"])
     return SubsetChoice(best, tuple(candidates[best]), fitted[best], errors)
 
