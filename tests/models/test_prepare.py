@@ -7,6 +7,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from treegraft_dist.models import paths, prepare
@@ -206,3 +207,30 @@ def test_prepare_missing_builds_what_is_missing_once_and_passes_other_names(offl
     offline.clear()
     prepare.prepare_missing([FAKE_NAME], cache_dir=cache, progress=False)
     assert offline == []
+
+
+def test_safetensors_stream_writes_what_safetensors_reads_and_leaves_nothing_on_error(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    from treegraft_dist.models.prepare import SafetensorsStream
+
+    rng = np.random.default_rng(0)
+    arrays = {"a.q": rng.integers(-128, 128, (5, 7)).astype(np.int8), "a.scale": rng.random((5, 1), np.float32),
+              "b.q": rng.integers(-128, 128, (3, 64)).astype(np.int8)}
+    path = tmp_path / "groups.safetensors"
+    with SafetensorsStream(path) as out:
+        for name, a in arrays.items():
+            out.add(name, a)
+        out.metadata["group:a"] = "32"
+    back = load_file(path)
+    assert back.keys() == arrays.keys() and all(np.array_equal(back[k], a) for k, a in arrays.items())
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"group:a": "32"}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the scratch file is gone
+
+    broken = tmp_path / "broken.safetensors"
+    with pytest.raises(KeyError):
+        with SafetensorsStream(broken) as out:
+            out.add("x", np.zeros(3, np.float64))  # a dtype the stream does not write
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -220,6 +220,28 @@ def group_params(kind: str, blocks: np.ndarray) -> tuple[int, np.ndarray, np.nda
     return None
 
 
+GROUP_ROWS = 2048  # rows of a tensor turned into groups at a time
+
+
+def _group_slice(tensor, rows: slice, group: int, scale: np.ndarray, offset: np.ndarray | None, q: np.ndarray,
+                 dequantize) -> bool:
+    """Fill `q` [r, K] with the integers of `rows` of a GGUF `tensor`; whether fl(fl(scale * q) - offset)
+    gives back its dequantized fp32 values (as the conversion computed them) exactly."""
+    data = tensor.data[rows]  # [r, row bytes] of whole blocks
+    w = dequantize(data, tensor.tensor_type).reshape(q.shape[0], -1, group)  # [r, K / group, group]
+    a = scale[..., None]
+    b = 0.0 if offset is None else offset[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.rint((w + b) / a)
+    x[np.broadcast_to(a == 0, x.shape)] = 0
+    np.clip(x, -128, 127, out=x)
+    q[:] = x.reshape(q.shape)
+    again = a * q.reshape(w.shape).astype(np.float32)
+    if offset is not None:
+        again -= b
+    return np.array_equal(again, w)
+
+
 def write_weight_groups(gguf_path: Path, out_path: Path, progress: bool = True) -> None:
     """Keep every quantized 2D tensor of the GGUF as int8 q with fp32 scale (and offset) per group, such that
     fl(fl(scale * q) - offset) reproduces the dequantized fp32 tensor bit for bit (checked here; a tensor
@@ -227,42 +249,75 @@ def write_weight_groups(gguf_path: Path, out_path: Path, progress: bool = True) 
     from gguf import GGUFReader
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
-    from safetensors.numpy import save_file
 
     start = time.monotonic()
     reader = GGUFReader(gguf_path)
-    tensors, meta = {}, {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        block_size, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
-        if len(t.shape) != 2 or block_size == 1:
-            continue
-        blocks = np.asarray(t.data).reshape(-1, block_bytes)
-        params = group_params(kind, blocks)
-        if params is None:
-            continue
-        group, scale, offset = params
-        w = dequantize(t.data, t.tensor_type)  # [N, K] fp32, as the conversion computed it
-        n, k = w.shape
-        scale = scale.reshape(n, k // group)
-        offset = None if offset is None else offset.reshape(n, k // group)
-        full_scale = np.repeat(scale, group, axis=1)
-        full_offset = 0.0 if offset is None else np.repeat(offset, group, axis=1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(full_scale == 0, 0, np.rint((w + full_offset) / full_scale))
-        q = np.clip(q, -128, 127).astype(np.int8)
-        again = full_scale * q.astype(np.float32)
-        if offset is not None:
-            again = again - full_offset
-        if not np.array_equal(again, w):
-            _say(f"weight groups: {t.name} ({kind}) does not reproduce exactly; left out", progress)
-            continue
-        tensors[f"{t.name}.q"], tensors[f"{t.name}.scale"] = q, np.ascontiguousarray(scale, np.float32)
-        if offset is not None:
-            tensors[f"{t.name}.offset"] = np.ascontiguousarray(offset, np.float32)
-        meta[f"group:{t.name}"] = str(group)
-    save_file(tensors, str(out_path), metadata=meta)
-    _say(f"weight groups of {len(meta)} tensors kept in {time.monotonic() - start:.0f} s", progress)
+    with SafetensorsStream(out_path) as out:
+        for t in reader.tensors:
+            kind = t.tensor_type.name
+            block_size, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+            if len(t.shape) != 2 or block_size == 1:
+                continue
+            blocks = np.asarray(t.data).reshape(-1, block_bytes)
+            params = group_params(kind, blocks)
+            if params is None:
+                continue
+            group, scale, offset = params
+            n, k = (int(d) for d in reversed(t.shape))  # GGUF lists the shape innermost first
+            scale = scale.reshape(n, k // group)
+            offset = None if offset is None else offset.reshape(n, k // group)
+            q = np.empty((n, k), np.int8)
+            exact = True
+            for rows in range(0, n, GROUP_ROWS):  # a slice at a time: whole-tensor temporaries would weigh GBs
+                part = slice(rows, min(rows + GROUP_ROWS, n))
+                exact = exact and _group_slice(t, part, group, scale[part], None if offset is None else offset[part],
+                                               q[part], dequantize)
+            if not exact:
+                _say(f"weight groups: {t.name} ({kind}) does not reproduce exactly; left out", progress)
+                continue
+            out.add(f"{t.name}.q", q)
+            out.add(f"{t.name}.scale", scale.astype(np.float32))
+            if offset is not None:
+                out.add(f"{t.name}.offset", offset.astype(np.float32))
+            out.metadata[f"group:{t.name}"] = str(group)
+    _say(f"weight groups of {len(out.metadata)} tensors kept in {time.monotonic() - start:.0f} s", progress)
+
+
+class SafetensorsStream:
+    """A safetensors file written one array at a time (each leaves memory once written): the arrays go to a
+    scratch file beside `path`, and closing writes the header, then their bytes, to `path`."""
+
+    DTYPES = {np.dtype(np.int8): "I8", np.dtype(np.float32): "F32"}
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.scratch = self.path.with_name(f".{self.path.name}.data")
+        self.header: dict[str, dict] = {}
+        self.metadata: dict[str, str] = {}
+        self.size = 0
+
+    def __enter__(self) -> "SafetensorsStream":
+        self.data = open(self.scratch, "wb")
+        return self
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        self.header[name] = {"dtype": self.DTYPES[array.dtype], "shape": list(array.shape),
+                             "data_offsets": [self.size, self.size + array.nbytes]}
+        self.data.write(memoryview(array).cast("B"))
+        self.size += array.nbytes
+
+    def __exit__(self, kind, error, trace) -> None:
+        self.data.close()
+        try:
+            if kind is None:
+                head = json.dumps({"__metadata__": self.metadata, **self.header}, separators=(",", ":")).encode()
+                head += b" " * (-len(head) % 8)  # the tensor bytes start 8-byte aligned
+                with open(self.path, "wb") as f, open(self.scratch, "rb") as data:
+                    f.write(len(head).to_bytes(8, "little") + head)
+                    shutil.copyfileobj(data, f, 1 << 24)
+        finally:
+            self.scratch.unlink()
 
 
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
