@@ -249,6 +249,26 @@ def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifa
     assert "held-out mean" in summary.table()
 
 
+def test_decoders_of_one_budget_measure_their_forward_times_once(pair, artifact, tmp_path, monkeypatch):
+    """A method's warm-up decoder and its timed one (and other methods at that budget) share one measurement
+    of the forward times the scheduler's signals read: each costs a prefill and several passes."""
+    from treegraft_dist.decoding import engine
+
+    target, middle = pair
+    cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "treegraft", "all-mid"], prompts_per_benchmark=1,
+                     max_new_tokens=8, out=tmp_path / "out", budget={"treegraft": 8, "all-mid": 8},
+                     cache_dir=tmp_path / "cache", scheduler=artifact, pair=("tiny-target", "tiny-middle"))
+    measured = []
+    real = engine.forward_ms
+    monkeypatch.setattr(engine, "forward_ms", lambda lm, block, **k: measured.append(block) or real(lm, block, **k))
+    ev = Evaluation(target, middle, cfg)
+    assert ev.run().mismatches == []
+    assert measured == [8, 8, engine.READ_BLOCK]  # target and middle at the budget, the middle's read: once
+    first = ev._decoder("treegraft", 8)
+    assert first.measured_timings is not None and ev._decoder("all-mid", 8).measured_timings is first.measured_timings
+    assert ev._decoder("treegraft", 16).measured_timings is None  # another budget measures its own
+
+
 def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair, narrow_artifact, tmp_path):
     from treegraft_dist.scheduling.artifact import load_artifact
 

@@ -273,6 +273,11 @@ class Decoder:
         return self._generate_spec(verifier, policy, prompt, max_new_tokens, set(eos_ids))
 
     @property
+    def measured_timings(self) -> Timings | None:
+        """`timings` where given or measured already, else None (nothing is measured here)."""
+        return self._timings
+
+    @property
     def timings(self) -> Timings:
         """Warm target and middle forward times (ms) over one full-budget tree; measured once."""
         if self._timings is None:

@@ -152,6 +152,7 @@ class Evaluation:
         self.budgets: dict[str, int] = {}
         self.sizers: dict[str, TreeSizer] = {}  # per sized method, learning across its requests
         self._verify_ms: dict[int, float] | None = None
+        self._timed_decoders: dict[int, Decoder] = {}  # budget -> the decoder whose timings the others reuse
         self.rows: list[dict] = []
         self.scheduler, self.heads = self._load_scheduler()
 
@@ -219,9 +220,17 @@ class Evaluation:
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
+        # The forward times a decoder measures on first use depend on its budget alone: measured once a budget
+        # (a method's warm-up decoder measures them, its timed one reuses them).
+        first = self._timed_decoders.get(tree.budget)
+        timings = first.measured_timings if first is not None else None
         # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
-        return Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, probe_budgets=probes,
-                       sizer=sizer, verify_ms=self.verify_ms() if without_settings(method) == TREEGRAFT + PACED else None)
+        decoder = Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, timings=timings,
+                          probe_budgets=probes, sizer=sizer,
+                          verify_ms=self.verify_ms() if without_settings(method) == TREEGRAFT + PACED else None)
+        if timings is None:
+            self._timed_decoders[tree.budget] = decoder
+        return decoder
 
     def runner(self, method: str, budget: int, probes=()) -> Callable[[list[int], int], Generation]:
         if method in PEER_METHODS:
