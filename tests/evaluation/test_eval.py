@@ -249,24 +249,34 @@ def test_artifact_methods_are_lossless_and_reported_held_in_and_out(pair, artifa
     assert "held-out mean" in summary.table()
 
 
-def test_decoders_of_one_budget_measure_their_forward_times_once(pair, artifact, tmp_path, monkeypatch):
-    """A method's warm-up decoder and its timed one (and other methods at that budget) share one measurement
-    of the forward times the scheduler's signals read: each costs a prefill and several passes."""
+def test_decoders_take_their_forward_times_from_the_fitted_profile_or_measure_them_once_a_budget(
+        pair, artifact, tmp_path, monkeypatch):
+    """The forward times the scheduler's signals read cost a prefill and several passes to measure. With a
+    scheduler fitted for this device they are its cost profile's; without one, a method's warm-up decoder
+    and its timed one (and other methods at that budget) share one measurement."""
     from treegraft_dist.decoding import engine
+    from treegraft_dist.decoding.costs import CostModel
 
     target, middle = pair
-    cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "treegraft", "all-mid"], prompts_per_benchmark=1,
-                     max_new_tokens=8, out=tmp_path / "out", budget={"treegraft": 8, "all-mid": 8},
-                     cache_dir=tmp_path / "cache", scheduler=artifact, pair=("tiny-target", "tiny-middle"))
     measured = []
     real = engine.forward_ms
     monkeypatch.setattr(engine, "forward_ms", lambda lm, block, **k: measured.append(block) or real(lm, block, **k))
-    ev = Evaluation(target, middle, cfg)
-    assert ev.run().mismatches == []
+    base = dict(benchmarks=["gsm8k"], prompts_per_benchmark=1, max_new_tokens=8, budget={"all-small": 8, "all-mid": 8},
+                cache_dir=tmp_path / "cache", pair=("tiny-target", "tiny-middle"))
+    ev = Evaluation(target, middle, EvalConfig(methods=["ar", "all-small", "all-mid"], out=tmp_path / "a", **base))
+    assert ev.scheduler is None and ev.run().mismatches == []
     assert measured == [8, 8, engine.READ_BLOCK]  # target and middle at the budget, the middle's read: once
-    first = ev._decoder("treegraft", 8)
-    assert first.measured_timings is not None and ev._decoder("all-mid", 8).measured_timings is first.measured_timings
-    assert ev._decoder("treegraft", 16).measured_timings is None  # another budget measures its own
+    first = ev._decoder("all-mid", 8)
+    assert first.measured_timings is not None and ev._decoder("all-small", 8).measured_timings is first.measured_timings
+    assert ev._decoder("all-mid", 16).measured_timings is None  # another budget measures its own
+
+    measured.clear()
+    ev = Evaluation(target, middle, EvalConfig(methods=["ar", "treegraft", "all-mid"], out=tmp_path / "b",
+                                               scheduler=artifact, **{**base, "budget": {"treegraft": 8, "all-mid": 8}}))
+    assert ev.run().mismatches == [] and measured == []
+    profile = CostModel.from_dict(ev.scheduler.info.cost_profile)
+    assert ev._decoder("treegraft", 8).measured_timings == profile.timings(8)
+    assert ev._decoder("all-mid", 16).measured_timings == profile.timings(16)
 
 
 def test_artifact_methods_run_the_tree_width_their_scheduler_was_fitted_for(pair, narrow_artifact, tmp_path):
