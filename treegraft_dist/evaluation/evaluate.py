@@ -223,9 +223,11 @@ class Evaluation:
         # The forward times a decoder measures on first use depend on its budget alone. With a scheduler fitted
         # for this device they are its cost profile's (as its signals were in the fit); else measured once a
         # budget (a method's warm-up decoder measures them, its timed one reuses them).
-        first = self._timed_decoders.get(tree.budget)
-        timings = (CostModel.from_dict(self.scheduler.info.cost_profile).timings(tree.budget)
-                   if self.scheduler is not None else first.measured_timings if first is not None else None)
+        if self.scheduler is not None:
+            timings = CostModel.from_dict(self.scheduler.info.cost_profile).timings(tree.budget)
+        else:
+            first = self._timed_decoders.get(tree.budget)
+            timings = first.measured_timings if first is not None else None
         # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
         decoder = Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, timings=timings,
                           probe_budgets=probes, sizer=sizer,

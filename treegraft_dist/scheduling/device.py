@@ -130,12 +130,11 @@ def choose_width(sets: list[Trajectories], cost: CostModel, log=print) -> tuple[
         reached = max(reached, rows[i, b]["scheduled"])
     for i, traj in enumerate(sets):
         log(f"tree width {traj.manifest['tree']['top_k']}: held-out tok/s by budget (cost model)")
-        for (j, b), bound in bounds.items():
-            if j != i:
-                continue
+        for b in (b for j, b in bounds if j == i):
             row = rows.get((i, b))
-            log(f"  budget {b}: " + (", ".join(f"{k} {v:.2f}" for k, v in row.items()) if row is not None else
-                                     f"at most {bound:.2f} tok/s, below the {reached:.2f} reached: not fitted") + ("" if row is None else " tok/s"))
+            said = (", ".join(f"{k} {v:.2f}" for k, v in row.items()) + " tok/s" if row is not None else
+                    f"at most {bounds[i, b]:.2f} tok/s, below the {reached:.2f} reached: not fitted")
+            log(f"  budget {b}: {said}")
     i, budget = max(rows, key=lambda c: (rows[c]["scheduled"], -c[0], -c[1]))
     log(f"chosen: tree width {sets[i].manifest['tree']['top_k']}, budget {budget} ({rows[i, budget]['scheduled']:.2f} "
         "tok/s)")

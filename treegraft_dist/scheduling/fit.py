@@ -190,22 +190,20 @@ def fit(traj: Trajectories, out: str | Path, budget: int | None = None, heldout_
                          f"prompts (there are {len(np.unique(rounds.prompt_ids))}) or change --heldout-fraction")
     log(f"budget {budget}, call cap {cap}: fitting value heads on {len(train)} rounds, "
         f"{len(candidates)} signal subsets")
-    heads_by, scored, fitted = {}, {}, {}
     states = train.signals[:, :NUM_DECISION_STATES]
     # Subsets that leave the same signals once the constant ones are out have the same heads: fitted once.
-    distinct = list(dict.fromkeys(value.informative(subset, states) for subset in candidates.values()))
-    fitted_heads = dict(zip(distinct, fit_value_heads_each(train, distinct, seed=seed, **(value_fit or {}))))
-    for name, subset in candidates.items():
-        same = fitted.get(value.informative(subset, states))
-        if same is not None:
-            heads_by[name], scored[name] = heads_by[same], scored[same]
-        else:
-            heads = fitted_heads[value.informative(subset, states)]
-            err = heads.heldout_error(held)
-            implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
-            heads_by[name], scored[name] = heads, {"error": err["mean"], "speed": implied, "heads": err}
-            fitted[heads.subset] = name
-        log(f"  {name}: held-out error {scored[name]['error']:.3f}, implied {scored[name]['speed']:.2f} tok/s")
+    signals = {name: value.informative(subset, states) for name, subset in candidates.items()}
+    distinct = list(dict.fromkeys(signals.values()))
+    fitted = dict(zip(distinct, fit_value_heads_each(train, distinct, seed=seed, **(value_fit or {}))))
+    scores = {}
+    for key, heads in fitted.items():
+        err = heads.heldout_error(held)
+        implied = speed(held, schedules_from_margins(heads.margins(held.signals, cap), cap))
+        scores[key] = {"error": err["mean"], "speed": implied, "heads": err}
+    heads_by = {name: fitted[signals[name]] for name in candidates}
+    scored = {name: scores[signals[name]] for name in candidates}
+    for name, score in scored.items():
+        log(f"  {name}: held-out error {score['error']:.3f}, implied {score['speed']:.2f} tok/s")
     fastest = max(s["speed"] for s in scored.values())
     best = min((n for n in candidates if scored[n]["speed"] >= (1 - SPEED_TIE) * fastest),
                key=lambda n: scored[n]["error"])
