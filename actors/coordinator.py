@@ -18,6 +18,7 @@ answers from counters alone, whatever the requests are doing.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 
@@ -57,11 +58,14 @@ class Coordinator:
     (`StreamRegistry`). A request's own state and rounds are the engine's (request.py, engine.speculate)."""
 
     def __init__(self, target_path: str, middle_path: str | None, tree: TreeConfig, sampling: SamplingParams,
-                 resources: Resources, dtype: str, control_pg, timings: Timings | None = None):
+                 resources: Resources, dtype: str, control_pg, timings: Timings | None = None,
+                 policies: dict[str, SchedulePolicy] | None = None):
         self.cfg, self.res = tree, resources
         self.middle_path = middle_path
+        # Policies a request may name (DistributedEngine's `policies`, checked there); the n-gram host holds them too.
+        self.policies = dict(policies or {})
         self.target = TargetGroup(target_path, resources, sampling, dtype)
-        self.life = DrafterActors(tree, resources, middle_path, dtype, control_pg)
+        self.life = DrafterActors(tree, resources, middle_path, dtype, control_pg, self.policies)
         self.admission = Admission(resources.queue_timeout_s)
         self.load = LoadBudgeting(self.target, self.admission, tree.budget, resources.max_batch_rows)
         self.streams = StreamRegistry()
@@ -165,6 +169,11 @@ class Coordinator:
 
     # -- requests -------------------------------------------------------------------------------------
     def resolve_policy(self, method) -> SchedulePolicy:
+        """A policy the engine holds by that name (a request's own copy: a policy may keep state for the request
+        it serves, or buffers its decisions write, as a policy that arrived with the request had), else a schedule
+        name or pattern, or a policy object."""
+        if isinstance(method, str) and method in self.policies:
+            return copy.copy(self.policies[method])
         return resolve_policy(method, self.cfg.depth, self.middle_path is not None)
 
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(), seed: int = 0,
@@ -219,8 +228,9 @@ class Coordinator:
             if policy is None:
                 return self._generate_ar(rid, gen, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
                                          progress)
-            return self._generate_spec(rid, gen, policy, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
-                                       progress)
+            named = method if isinstance(method, str) and method in self.policies else None
+            return self._generate_spec(rid, gen, policy, named, list(prompt), max_new_tokens, set(eos_ids), seed,
+                                       sampling, progress)
         finally:
             del self._progress[rid]
             if self.batcher is not None:
@@ -240,7 +250,8 @@ class Coordinator:
                             lambda tok: self.batcher.step(gen, rid, tok), prompt, max_new, eos,
                             on_tokens=progress)
 
-    def _generate_spec(self, rid, gen, policy, prompt, max_new, eos, seed, sampling, progress) -> Generation:
+    def _generate_spec(self, rid, gen, policy, named, prompt, max_new, eos, seed, sampling, progress) -> Generation:
+        """`named`: the name the n-gram host knows `policy` by (it travels instead of the policy), or None."""
         greedy = (sampling or self.target.sampling).greedy
         pattern = getattr(policy, "pattern", None)  # fixed schedules: known in advance
         # The middle drafter catches up on each round's accepted tokens at once, unless layer 1 calls it anyway
@@ -249,18 +260,22 @@ class Coordinator:
 
         def drafters(req: Request) -> tuple[FallbackDrafter, FallbackDrafter | None]:
             """The request's drafters on the drafter actors, each falling back on n-gram drafting here."""
-            rounds = RoundSpec(req.cfg, policy, req.context, history=greedy)
+            rounds = RoundSpec(req.cfg, policy, req.context, history=greedy, policy_name=named)
             self.life.replace_dead(alone=self.admission.active <= 1)
             # A drafter call waits at most as long as a (restarted) host may take to load its model.
             bound = self.res.load_timeout_s
-            ngram = FallbackDrafter(RemoteDrafter(self.life.ngram_host, rid, ORIGIN_NGRAM, rounds, bound),
+            # Beside other requests, rounds start as plain steps (LoadBudget): the n-gram host hears of the request
+            # only once a round drafts, and of a request that never does only its text, for the history.
+            under_load = self.res.adapt_budget and self.admission.active > 1
+            ngram = FallbackDrafter(RemoteDrafter(self.life.ngram_host, rid, ORIGIN_NGRAM, rounds, bound,
+                                                  lazy=under_load, remember=self.res.history_tokens > 0),
                                     NGramDrafter.from_config(req.cfg), self.life.ngram_died, mirror=True)
             middle = None
             if self.life.middle_host is not None and may_call_middle(policy):
                 middle = FallbackDrafter(RemoteDrafter(self.life.middle_host, rid, ORIGIN_MIDDLE, timeout_s=bound,
                                                        lazy=True),
                                          ngram, self.life.middle_died, prefetch=prefetch)
-                if prefetch and self.res.adapt_budget and self.admission.active > 1:
+                if prefetch and under_load:
                     middle.prefetch = False  # under load: catch up only once a round drafts (round_budget)
             return ngram, middle
 

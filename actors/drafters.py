@@ -11,8 +11,9 @@ round's drafting so far (`engine.Drafting`) out.
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ray
@@ -77,15 +78,26 @@ class RoundSpec:
     # Draft from the host's history too. Greedy requests only: a sampled request's output for a seed depends on
     # the drafts it verifies, and the same seed must give the same text whatever earlier requests left there.
     history: bool = True
+    # The name the host holds `policy` by (DrafterHost's `policies`): then only the name travels, not the policy
+    # (a fitted scheduler carries its weights and value heads: over 100 kB a request).
+    policy_name: str | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.policy_name is not None:
+            state["policy"] = None
+        return state
 
 
 class DrafterHost:
     """Actor: one drafter of one kind (`spec`) per request id; a thin shell over the plain class."""
 
-    def __init__(self, spec, device: str = "cpu", threads: int | None = None):
+    def __init__(self, spec, device: str = "cpu", threads: int | None = None, policies: dict | None = None):
+        """`policies`: the schedule policies requests may name (RoundSpec.policy_name)."""
         if threads:
             torch.set_num_threads(threads)
         self.spec = spec
+        self.policies = policies or {}
         self.lm = spec.load(device)
         self.drafters: dict[int, object] = {}
         self.rounds: dict[int, RoundSpec] = {}
@@ -101,6 +113,8 @@ class DrafterHost:
             d.history = self.history
         d.start(prompt, prefill)
         if rounds is not None:
+            if rounds.policy is None:  # sent by name: the request's own copy (Coordinator.resolve_policy)
+                rounds = replace(rounds, policy=copy.copy(self.policies[rounds.policy_name]))
             self.rounds[rid] = rounds
 
     def draft(self, rid: int, state: Drafting, budgets: tuple[int, ...], has_middle: bool
@@ -129,6 +143,12 @@ class DrafterHost:
         if self.history is not None and d is not None:
             self.history.add(d.index.tokens)  # the prompt and every token the target accepted
 
+    def remember(self, tokens: list[int]) -> None:
+        """A finished request's text (prompt and output) that never drafted here: the history keeps it as it
+        keeps a released drafter's (RemoteDrafter's `lazy`)."""
+        if self.history is not None:
+            self.history.add(tokens)
+
     def history_state(self) -> dict:
         """Sequences and tokens the history holds (0 and 0 without one)."""
         h = self.history
@@ -148,18 +168,20 @@ class RemoteDrafter:
     fallback_steps = 0
 
     def __init__(self, host, rid: int, origin: int, rounds: RoundSpec | None = None, timeout_s: float | None = None,
-                 lazy: bool = False):
+                 lazy: bool = False, remember: bool = False):
         """`lazy`: the host hears of the request only when it is first asked to draft or catch up (its start and
         the tokens accepted until then go first, in one accept: the same state, as a drafter before its first
         step holds only the context). A request that never drafts with it (plain steps under load, or a
         request that Payoff keeps from the middle drafter) costs the host nothing: on shared cores its work
-        would run beside the target's passes and slow them."""
+        would run beside the target's passes and slow them. `remember`: such a request's text still goes to
+        the host at its end, in one message, for the history it keeps (DrafterHost.remember)."""
         self.host = host
         self.rid = rid
         self.origin = origin
         self.rounds = rounds
         self.timeout_s = timeout_s
         self.lazy = lazy
+        self.remember = remember
         self._pending: tuple[list[int], PrefillCache | None, list[int]] | None = None  # prompt, prefill, tokens
 
     def start(self, prompt: list[int], prefill: PrefillCache | None) -> None:
@@ -168,7 +190,8 @@ class RemoteDrafter:
             return
         self.host.start.remote(self.rid, prompt, prefill, self.rounds)
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
+        """Tell the host of the request now, if it has not heard of it (`lazy`)."""
         if self._pending is not None:
             prompt, prefill, tokens = self._pending
             self._pending = None
@@ -182,7 +205,7 @@ class RemoteDrafter:
         return self._pending is None
 
     def step(self, tree: DraftTree, frontier: np.ndarray, layer: int) -> Proposal:
-        self._begin()
+        self.begin()
         return ray.get(self.host.step.remote(self.rid, tree, frontier, layer), timeout=self.timeout_s)
 
     def accept(self, path: list[int], tokens: list[int]) -> None:
@@ -192,12 +215,15 @@ class RemoteDrafter:
         self.host.accept.remote(self.rid, path, tokens)
 
     def prefetch(self, root: int) -> None:
-        self._begin()
+        self.begin()
         self.host.prefetch.remote(self.rid, root)
 
     def release(self) -> None:
-        if self._pending is not None:  # never started there: nothing to free
+        if self._pending is not None:  # never started there: nothing to free, the text to remember at most
+            prompt, _, tokens = self._pending
             self._pending = None
+            if self.remember:
+                self.host.remember.remote(list(prompt) + tokens)
             return
         self.host.release.remote(self.rid)
 
@@ -286,6 +312,7 @@ class RoundDrafter:
             elif wanted == "ngram":
                 try:
                     with self.timer.phase("ngram"):
+                        self.ngram.remote.begin()
                         drafted, wanted = ray.get(self.ngram.remote.host.draft.remote(
                             self.ngram.remote.rid, state, budgets, self._live_middle() is not None),
                             timeout=self.ngram.remote.timeout_s)

@@ -7,8 +7,9 @@ from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegraft_dist.decoding.config import TreeConfig
-from treegraft_dist.decoding.engine import Generation
+from treegraft_dist.decoding.engine import AR_METHOD, Generation, resolve_policy
 from treegraft_dist.decoding.sampling import SamplingParams
+from treegraft_dist.decoding.schedule import SchedulePolicy
 from treegraft_dist.decoding.signals import Timings
 from treegraft_dist.models.loading import load_config
 
@@ -26,13 +27,19 @@ class DistributedEngine:
     `target`, `middle`: saved model folders (or hub ids) every node can read; `middle=None` drafts with
     n-gram only. `address`: a running Ray cluster ("auto", "ray://host:10001", ...); None joins the
     cluster this process already belongs to, or starts a local one. Construction raises PlacementError
-    (within `resources.placement_timeout_s`) when the cluster lacks the resources.
+    (within `resources.placement_timeout_s`) when the cluster lacks the resources. `policies`: schedule
+    policies by name (e.g. {"treegraft": the fitted scheduler}), sent to the actors once, so that a request
+    names one (`method="treegraft"`) instead of carrying the policy (its weights, its value heads) itself.
     """
 
     def __init__(self, target: str, middle: str | None = None, tree: TreeConfig = TreeConfig(),
                  resources: Resources = Resources(), address: str | None = None,
-                 sampling: SamplingParams = SamplingParams(), dtype: str = "auto", timings: Timings | None = None):
+                 sampling: SamplingParams = SamplingParams(), dtype: str = "auto", timings: Timings | None = None,
+                 policies: dict[str, SchedulePolicy] | None = None):
         load_config(target, resources.tp)  # a model the ranks cannot shard fails here, before any placement
+        policies = {name: resolve_policy(p, tree.depth, middle is not None) for name, p in (policies or {}).items()}
+        if AR_METHOD in policies:
+            raise ValueError(f"{AR_METHOD!r} is plain decoding and cannot name a policy: choose another name")
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address)
@@ -46,7 +53,7 @@ class DistributedEngine:
         self.coordinator = ray.remote(concurrency_groups={"control": 4})(Coordinator).options(
             num_cpus=resources.coordinator_cpus, max_concurrency=resources.max_requests, max_restarts=0,
             scheduling_strategy=strategy,
-        ).remote(target, middle, tree, sampling, resources, dtype, self.pg, timings)
+        ).remote(target, middle, tree, sampling, resources, dtype, self.pg, timings, policies)
         try:
             _get(self.coordinator.start.remote())
         except BaseException:

@@ -30,8 +30,11 @@ PING_S = 0.05  # how long a new request waits for an idle drafter actor's answer
 
 
 class DrafterActors:
-    def __init__(self, cfg: TreeConfig, res: Resources, middle_path: str | None, dtype: str, control_pg):
+    def __init__(self, cfg: TreeConfig, res: Resources, middle_path: str | None, dtype: str, control_pg,
+                 policies: dict | None = None):
+        """`policies`: the named schedule policies the n-gram host holds for its requests (RoundSpec.policy_name)."""
         self.cfg, self.res, self.middle_path, self.dtype, self.control_pg = cfg, res, middle_path, dtype, control_pg
+        self.policies = policies or {}
         self.lock = threading.Lock()  # restarts only: never held across a remote call that waits
         self.ngram_host = None
         self.middle_host = None
@@ -87,11 +90,11 @@ class DrafterActors:
                 ray.kill(host, no_restart=True)
                 self.ngram_host = self._spawn_ngram()
 
-    def _host(self, spec, bundle: int, cpus: float, gpus: float, device: str):
+    def _host(self, spec, bundle: int, cpus: float, gpus: float, device: str, policies: dict | None = None):
         strategy = PlacementGroupSchedulingStrategy(self.control_pg, placement_group_bundle_index=bundle)
         return ray.remote(DrafterHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0,
                                                scheduling_strategy=strategy).remote(spec, device,
-                                                                                    self.res.torch_threads)
+                                                                                    self.res.torch_threads, policies)
 
     def _spawn_middle(self):
         spec = NeuralSpec(self.middle_path, self.dtype, self.cfg.top_k, self.cfg.lookback, self.cfg.middle_window)
@@ -101,4 +104,4 @@ class DrafterActors:
         cfg = self.cfg
         return self._host(NGramSpec(cfg.top_k, cfg.max_n, cfg.chain, cfg.depth, cfg.long_chain,
                                     self.res.history_tokens, cfg.pin_match), NGRAM_BUNDLE,
-                          self.res.ngram_cpus, 0, "cpu")
+                          self.res.ngram_cpus, 0, "cpu", self.policies)

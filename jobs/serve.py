@@ -152,7 +152,8 @@ class OpenAIServer:
         self.model = ServedModel(model_name or target.split(":")[-1].rstrip("/").split("/")[-1],
                                  info.max_positions - cfg.max_tree_depth - 1, self.eos_ids, max_tokens)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
-        self.engine = DistributedEngine(t_src, m_src, cfg, resources, dtype=dtype)
+        # The requests of the method treegraft name its policy, which the engine's actors hold (sent once).
+        self.engine = DistributedEngine(t_src, m_src, cfg, resources, dtype=dtype, policies={"treegraft": self.policy})
         warm = self.engine.warm()  # the first requests would wait for these measurements
         log.info(f"treegraft: measured the target's forward at {warm['t_tgt_ms'] or 0:.0f} ms, the middle's at "
                  f"{warm['t_mid_ms'] or 0:.0f} ms over {cfg.budget} nodes; pass costs for sizing under load "
@@ -216,9 +217,8 @@ class OpenAIServer:
         if method not in (AR_METHOD, "treegraft"):
             resolve_policy(method, self.cfg.depth, self.has_middle)  # ValueError names what is wrong
 
-    def _method(self, name: str | None):
-        name = name or self.default_method
-        return self.policy if name == "treegraft" else name
+    def _method(self, name: str | None) -> str:
+        return name or self.default_method
 
     def _method_name(self, req: ApiRequest) -> str:
         return req.method or self.default_method

@@ -120,7 +120,8 @@ def main() -> None:
         for adapt in sorted({not m.endswith("@fixed") for m in methods}):
             threads = {} if args.threads is None else {"torch_threads": args.threads}
             res = for_device("cpu", 1, max_requests=max(levels), adapt_budget=adapt, **threads)
-            engines[adapt] = DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype)
+            engines[adapt] = DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype,
+                                               policies={"treegraft": default})  # as the server holds it
         try:
             for eng in engines.values():  # warm-up: kernels, forward times, the pass-cost profile (as the server)
                 eng.warm()
@@ -130,7 +131,7 @@ def main() -> None:
                 for rep in range(args.repeats):
                     for m in methods[rep % len(methods):] + methods[: rep % len(methods)]:
                         name, adapt = m.removesuffix("@fixed"), not m.endswith("@fixed")
-                        method = default if name == "treegraft" else name
+                        method = name  # "treegraft" names the engine's policy, as a served request does
                         before = engines[adapt].target_passes()
                         alone = c == 1 and args.alone > 1
                         gens, tput, mean_lat, p90 = run_cell(engines[adapt], prompts[:args.alone if alone else c],

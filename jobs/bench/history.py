@@ -66,15 +66,16 @@ def main() -> None:
         default, budget, which = served_default(args.pair, t_path, m_path, args.dtype, res.torch_threads)
         print(f"treegraft: {which}", flush=True)
         tree = fitted_tree(TreeConfig(budget=budget), default, budget=False)  # the width it was fitted for
-        engines = {SIDES[0]: DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype),
+        named = {"treegraft": default}  # as the server holds it: requests name it
+        engines = {SIDES[0]: DistributedEngine(t_path, m_path, tree, res, dtype=args.dtype, policies=named),
                    SIDES[1]: DistributedEngine(t_path, m_path, tree, for_device("cpu", 1, history_tokens=args.history),
-                                               dtype=args.dtype)}
+                                               dtype=args.dtype, policies=named)}
         try:
             for eng in engines.values():
                 eng.warm()
             questions = [q for q in builtin("mt_bench") if len(q.turns) > 1]
             for i, m in enumerate(methods):  # other questions per method: a first turn is new to both engines
-                method = default if m == "treegraft" else m
+                method = m
                 for q in questions[i * args.questions : (i + 1) * args.questions]:
                     answers: dict[str, list[int]] = {}
                     for kind in KINDS:

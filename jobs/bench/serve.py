@@ -87,13 +87,13 @@ def set_model_threads(engine: DistributedEngine, threads: int) -> None:
              for h in (*handles["target"], handles["middle"]) if h is not None])
 
 
-def served_on(engine: DistributedEngine, threads: int, usual: int, eos: tuple[int, ...], policy):
+def served_on(engine: DistributedEngine, threads: int, usual: int, eos: tuple[int, ...]):
     """A side that runs a request on the engine with its model actors switched to `threads` torch threads."""
 
     def run(prompt, n, method):
         set_model_threads(engine, threads)
         try:
-            return engine.generate(prompt, n, policy(method), eos)
+            return engine.generate(prompt, n, method, eos)  # "treegraft" names the engine's policy
         finally:
             set_model_threads(engine, usual)
     return run
@@ -146,14 +146,14 @@ def main() -> None:
         print(f"treegraft: {which}; budget {args.budget}", flush=True)
         tree = fitted_tree(TreeConfig(budget=args.budget), default, budget=False)  # the width it was fitted for
 
-        def policy(method: str):
+        def policy(method: str):  # in process; the engine holds it by name, as the server's requests name it
             return default if method == "treegraft" else method
 
         eos = tuple(sorted({i for i in (tok.eos_token_id,) if i is not None}))
         prompts = bench_prompts(tok, args.prompts)
         # The engine first: its workers' loading peaks (file pages and the copies made from them) do not meet
         # this process's.
-        engine = DistributedEngine(t_path, m_path, tree, res, dtype=dtype_name)
+        engine = DistributedEngine(t_path, m_path, tree, res, dtype=dtype_name, policies={"treegraft": default})
         try:
             engine.warm()  # as the server does before it answers
             facts = actor_facts(engine)
@@ -164,10 +164,10 @@ def main() -> None:
             check_pair(target, middle)
             decoder = Decoder(target.lm, middle.lm, tree)
             sides = {IN_PROCESS: lambda p, n, m: decoder.generate(p, n, policy(m), eos),
-                     SERVED: lambda p, n, m: engine.generate(p, n, policy(m), eos)}
+                     SERVED: lambda p, n, m: engine.generate(p, n, m, eos)}
             if args.also_threads is not None:
                 sides[f"served, {args.also_threads} threads"] = served_on(engine, args.also_threads,
-                                                                           facts["target"]["threads"], eos, policy)
+                                                                           facts["target"]["threads"], eos)
             for m in methods:  # warm-up, untimed
                 for run in sides.values():
                     run(prompts[0], 4, m)

@@ -20,7 +20,7 @@ from actors.resources import PlacementError, Resources
 from actors.target import TargetGroupError
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
-from treegraft_dist.decoding.schedule import ShallowTreeHeuristic
+from treegraft_dist.decoding.schedule import ReplaySchedule, ShallowTreeHeuristic
 from treegraft_dist.models.hf import CausalLM
 
 # Trees at the full budget under concurrency too (adapt_budget off): concurrent requests' trees, not plain
@@ -28,6 +28,8 @@ from treegraft_dist.models.hf import CausalLM
 RES = Resources(tp=2, device="cpu", target_cpus=0.1, middle_cpus=0.1, ngram_cpus=0.1, coordinator_cpus=0.1,
                 torch_threads=1, placement_timeout_s=30, dist_timeout_s=60, adapt_budget=False)
 METHODS = ("ar", "all-small", "all-mid", "01001", "10110")
+# Policies the engines hold by name (as the server holds its fitted scheduler): a replay counts its request's rounds.
+NAMED = {"replay": ReplaySchedule(["11111", "00000"], "replay")}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def check_tp_logits(engine, pair):
 def engine(request, cluster, pairs):
     """One engine per test class (the cluster's 4 fake GPUs hold one: target tp=2 plus the middle)."""
     eng = DistributedEngine(pairs[request.cls.ARCH].target_path, pairs[request.cls.ARCH].middle_path,
-                            resources=RES, dtype="float32")
+                            resources=RES, dtype="float32", policies=NAMED)
     yield eng
     eng.shutdown()
 
@@ -138,6 +140,19 @@ class TestLlamaTP2:
         got = engine.generate_many(ps, 25, ShallowTreeHeuristic())
         for p, g in zip(ps, got):
             assert g.tokens == pair.decoder.generate(p, 25, ShallowTreeHeuristic()).tokens == hf_greedy(pair.target, p, 25)
+
+    def test_requests_that_name_a_policy_the_engine_holds_each_run_their_own_copy(self, engine, pairs):
+        pair = pairs["llama"]
+        ps = prompts(12, n=3)
+        got = [engine.result(r) for r in [engine.submit(p, 25, "replay") for p in ps]]  # in flight at once
+        for p, g in zip(ps, got):
+            assert g.tokens == hf_greedy(pair.target, p, 25)
+            assert g.stats.method == "replay"
+            # Each request replays from its own first round: a shared copy would spread the rounds over requests.
+            assert g.stats.middle_calls[0] >= 1 and g.stats.middle_calls[1:] == [0] * (g.stats.rounds - 1), \
+                g.stats.middle_calls
+        with pytest.raises(ValueError, match="plain decoding"):
+            DistributedEngine(pair.target_path, pair.middle_path, resources=RES, policies={"ar": ShallowTreeHeuristic()})
 
     def test_eos_and_edge_cases(self, engine, pairs):
         pair = pairs["llama"]
