@@ -47,7 +47,8 @@ class LoadBudgeting:
         from timings, and a sampled text must depend on its seed alone. `reading`: where the request stands, to
         price the middle drafter's read of the context it has not seen (None: no middle drafter). `prior_ms`: a
         drafted round's milliseconds before the method's rounds measured any (a middle call's, where the policy
-        may call it: a burst of requests that starts on a fresh engine must not take drafting for free)."""
+        may call it: a burst of requests that starts on a fresh engine must not take drafting for free), and the
+        least a drafted round is priced under load (LoadBudget's `call_ms`)."""
         drafting_ms = self.drafting.update(stats, payoff, spent, prior_ms)
         lb = self.pass_costs()  # measured by the first round that needs them, unless warm() measured them
         with self.lock:
@@ -55,7 +56,7 @@ class LoadBudgeting:
                 lb.observe_pass(*self.batcher.unread.popleft())
         if stats.accepted and payoff.middle:  # exploring rounds (the n-gram drafter alone) would skew it
             lb.observe(stats.tree_sizes[-1], stats.accepted[-1])
-        return lb(self.admission.active, drafting_ms, payoff if paced else None, reading)
+        return lb(self.admission.active, drafting_ms, payoff if paced else None, reading, prior_ms)
 
     def pass_ms(self) -> dict[int, float] | None:
         """The pass costs by rows (None before they were measured)."""

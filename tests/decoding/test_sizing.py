@@ -99,6 +99,9 @@ def test_load_budget_shrinks_trees_as_requests_share_passes():
     assert lb(2, drafting_ms=500.0) == 1  # drafting (middle calls, say) would cost more than the tree gains
     # 2 x 4 rows would pay for 40 ms of drafting each, not for 70: the drafters serve the two one after the other.
     assert lb(2, drafting_ms=40.0) == 4 and lb(2, drafting_ms=70.0) == 1
+    # Rounds of n-gram layers alone measured 5 ms, but any drafted round may call the middle drafter (70 ms).
+    assert lb(2, drafting_ms=5.0) == 4 and lb(2, drafting_ms=5.0, call_ms=70.0) == 1
+    assert lb(1, drafting_ms=5.0, call_ms=70.0) == 16  # alone, the request's own rounds decide (Payoff)
     assert [lb.cost(r) for r in (3, 8, 128)] == [100.0, 100.0, 1600.0]
     for _ in range(200):  # rounds of 8 nodes that accept 1 + 0.3 * 3 tokens: alpha follows
         lb.observe(8, 1.9)

@@ -214,10 +214,15 @@ class LoadBudget:
             self.alpha += self.smoothing * (seen - self.alpha)
 
     def __call__(self, active: int, drafting_ms: float = 0.0, payoff: Payoff | None = None,
-                 reading: Reading | None = None) -> int:
+                 reading: Reading | None = None, call_ms: float = 0.0) -> int:
+        """`call_ms`: a middle call's milliseconds, where the policy may call the middle drafter. Under load a
+        drafted round is priced at no less: `drafting_ms`, a running mean over rounds, swings from a few
+        milliseconds (rounds of n-gram layers) to hundreds (a call that reads context), and beside other
+        requests any drafted round may call it, their calls queued on the one middle drafter."""
         if active <= 1:
             return self.budget if payoff is None else payoff.plan(self.cost, drafting_ms, self.budget, self.probe_size,
                                                                   reading)
+        drafting_ms = max(drafting_ms, call_ms)
         # Under load every drafted round drafts as the policy says, and before its first call the middle drafter
         # reads what it has not seen of this request (the prompt's window, the tokens of plain steps): the other
         # requests' pass waits for that read too, so a drafted round pays it.
