@@ -172,9 +172,14 @@ class Coordinator:
         """A policy the engine holds by that name (a request's own copy: a policy may keep state for the request
         it serves, or buffers its decisions write, as a policy that arrived with the request had), else a schedule
         name or pattern, or a policy object."""
-        if isinstance(method, str) and method in self.policies:
-            return copy.copy(self.policies[method])
+        named = self._named(method)
+        if named is not None:
+            return copy.copy(self.policies[named])
         return resolve_policy(method, self.cfg.depth, self.middle_path is not None)
+
+    def _named(self, method) -> str | None:
+        """`method` when it names a policy the engine holds, else None."""
+        return method if isinstance(method, str) and method in self.policies else None
 
     def generate(self, prompt: list[int], max_new_tokens: int, method="all-small", eos_ids=(), seed: int = 0,
                  sampling: SamplingParams | None = None) -> Generation:
@@ -228,9 +233,8 @@ class Coordinator:
             if policy is None:
                 return self._generate_ar(rid, gen, list(prompt), max_new_tokens, set(eos_ids), seed, sampling,
                                          progress)
-            named = method if isinstance(method, str) and method in self.policies else None
-            return self._generate_spec(rid, gen, policy, named, list(prompt), max_new_tokens, set(eos_ids), seed,
-                                       sampling, progress)
+            return self._generate_spec(rid, gen, policy, self._named(method), list(prompt), max_new_tokens,
+                                       set(eos_ids), seed, sampling, progress)
         finally:
             del self._progress[rid]
             if self.batcher is not None:

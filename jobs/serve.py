@@ -217,9 +217,6 @@ class OpenAIServer:
         if method not in (AR_METHOD, "treegraft"):
             resolve_policy(method, self.cfg.depth, self.has_middle)  # ValueError names what is wrong
 
-    def _method(self, name: str | None) -> str:
-        return name or self.default_method
-
     def _method_name(self, req: ApiRequest) -> str:
         return req.method or self.default_method
 
@@ -395,7 +392,7 @@ class OpenAIServer:
         the end, its stats. A stop string cancels the request in the engine; so does the caller leaving."""
         eos = tuple(sorted(set(self.eos_ids) | set(req.stop_token_ids)))
         try:
-            stream = self.engine.stream(req.id, req.prompt_ids, req.max_tokens, self._method(req.method), eos,
+            stream = self.engine.stream(req.id, req.prompt_ids, req.max_tokens, self._method_name(req), eos,
                                         req.seed, req.sampling)
             last = None
             async for ref in stream:

@@ -75,7 +75,6 @@ def main() -> None:
                 eng.warm()
             questions = [q for q in builtin("mt_bench") if len(q.turns) > 1]
             for i, m in enumerate(methods):  # other questions per method: a first turn is new to both engines
-                method = m
                 for q in questions[i * args.questions : (i + 1) * args.questions]:
                     answers: dict[str, list[int]] = {}
                     for kind in KINDS:
@@ -86,7 +85,7 @@ def main() -> None:
                             else:
                                 prompt = chat_prompt(tok, [q.turns[0]], [])
                             t = time.perf_counter()
-                            gen = eng.generate(prompt, args.tokens, method, eos)
+                            gen = eng.generate(prompt, args.tokens, m, eos)
                             wall = time.perf_counter() - t
                             if kind == "first turn":
                                 answers[side] = gen.tokens
