@@ -49,10 +49,14 @@ from .verify import tree_attention
 CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 1 = the root only: plain decoding
 PROFILE_PAST = 256  # cached tokens behind the profiled block: a typical prompt length
 MAX_COST_RATIO = 4.0
-# A cached cost this many times a fresh pass's (at check_sizes) was measured on a busy machine (another process's
-# threads only ever slow a pass down): the profile is measured again. A fresh pass much slower than the
-# cache means the machine is busy now, and the cache is kept.
-STALE_RATIO = 1.5
+# A cached cost this many times a fresh pass's (at check_sizes), and at least STALE_MIN_MS more, was measured on a
+# busy machine (another process's threads only ever slow a pass down): the profile is measured again. A fresh
+# pass slower than the cache means the machine is busy now, and the cache is kept. A profile inflated by 17% at
+# one node and 40% at 12 (121 and 221 ms against 103 and 158 measured later, 1.5B in bf16 on a Zen 4 EPYC)
+# fitted budget 4 where the box's own costs fit 12; a sane profile is within a few percent of a fresh pass.
+# The floor keeps sub-millisecond passes (tiny models) from being measured again for timer noise.
+STALE_RATIO = 1.15
+STALE_MIN_MS = 5.0
 MIDDLE_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)  # forward sizes the middle drafter's cost is measured at
 DRAFT_TOPK = 10  # children a drafting pass ranks (the published K)
 PROFILE_SWEEPS = 2  # sweeps over the sizes a profile takes the best of
@@ -100,7 +104,8 @@ _CHECKED: set[tuple[str, tuple]] = set()
 
 def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, drafting: bool = False) -> bool:
     """Whether the cached profile `cached` (ms by size) was measured while something else used the device:
-    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does. Says so when it was.
+    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does (and STALE_MIN_MS more).
+    Says so when it was.
     Checked once per process and contents."""
     key = (str(path), tuple(sorted(cached.items())))
     if key in _CHECKED:
@@ -108,7 +113,7 @@ def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, draft
     cache = prefilled(lm)
     for block in check_sizes(cached):
         fresh = forward_ms(lm, block, repeats=2, cache=cache, drafting=drafting)
-        if cached[block] > STALE_RATIO * fresh:
+        if slower_than_now(cached[block], fresh):
             print(f"treegraft: {path.name}: a {block}-token pass measured {cached[block]:.0f} ms there and "
                   f"{fresh:.0f} ms now: it was measured on a busy machine, measuring again", file=sys.stderr)
             return True
@@ -116,12 +121,18 @@ def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, draft
     return False
 
 
+def slower_than_now(cached_ms: float, fresh_ms: float) -> bool:
+    """Whether a cached pass time was measured busier than a fresh one: STALE_RATIO times it and STALE_MIN_MS more."""
+    return cached_ms > STALE_RATIO * fresh_ms and cached_ms - fresh_ms > STALE_MIN_MS
+
+
 def check_sizes(profile: dict[int, float]) -> tuple[int, ...]:
-    """The sizes a cached profile is checked at: the smallest and one that rounds use (8, else the largest).
-    A burst of another process's work can hit any part of a sweep, not only its start."""
+    """The sizes a cached profile is checked at: the smallest and those that rounds use (8 and 16, else the
+    largest). A burst of another process's work can hit any part of a sweep, not only its start, and the
+    fitted budget follows how the cost grows with the tree, not its level alone."""
     sizes = sorted(profile)
-    mid = 8 if 8 in profile else sizes[-1]
-    return tuple(dict.fromkeys((sizes[0], mid)))
+    used = [s for s in (8, 16) if s in profile] or [sizes[-1]]
+    return tuple(dict.fromkeys((sizes[0], *used)))
 
 
 def device_name(device: torch.device) -> str:
