@@ -34,7 +34,8 @@ def test_a_bigger_block_never_costs_less_in_a_profile():
     assert swept_profile(measure, (1, 2, 4, 8), "test") == {1: 9.0, 2: 9.0, 4: 12.0, 8: 12.0}
 
 
-def test_a_cached_profile_is_checked_at_its_smallest_size_and_one_rounds_use():
-    assert check_sizes({1: 1.0, 2: 1.0, 8: 2.0, 16: 3.0}) == (1, 8)
+def test_a_cached_profile_is_checked_at_its_smallest_size_and_those_rounds_use():
+    assert check_sizes({1: 1.0, 2: 1.0, 8: 2.0, 16: 3.0, 32: 5.0}) == (1, 8, 16)
+    assert check_sizes({1: 1.0, 2: 1.0, 8: 2.0, 12: 3.0}) == (1, 8)
     assert check_sizes({1: 1.0, 2: 1.0, 4: 2.0}) == (1, 4)
     assert check_sizes({1: 1.0}) == (1,)
