@@ -171,3 +171,28 @@ def test_row_padding_is_measured_on_the_weights_recorded_and_can_be_set(monkeypa
     monkeypatch.setenv(kernels.PAD_ENV, "many")
     with pytest.raises(ValueError, match="use auto, off or a row count"):
         kernels.row_padding(linears)
+
+
+def test_the_int8_choice_for_a_drafter_is_measured_once_recorded_and_kept(monkeypatch, tmp_path):
+    from treegraft_dist.models.paths import CACHE_ENV
+
+    if kernels.int8_unsupported(torch.float32) is not None:
+        pytest.skip(kernels.int8_unsupported(torch.float32))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(kernels.INT8_ENV, raising=False)
+    record = tmp_path / kernels.INT8_RECORD
+    kernels.int8_choice.cache_clear()
+    try:
+        first = kernels.int8_choice(torch.float32)
+        (key,) = json.loads(record.read_text())
+        assert "threads-float32-" in key and json.loads(record.read_text())[key]["int8"] == first.int8
+        # A later process whose probe would answer otherwise keeps the recorded choice.
+        monkeypatch.setattr(kernels, "int8_probe", lambda dtype, repeats: (not first.int8, "probe flipped"))
+        kernels.int8_choice.cache_clear()
+        assert kernels.int8_choice(torch.float32).int8 == first.int8
+        record.unlink()  # a new cache measures again
+        kernels.int8_choice.cache_clear()
+        again = kernels.int8_choice(torch.float32)
+        assert again.int8 != first.int8 and "probe flipped" in again.reason
+    finally:
+        kernels.int8_choice.cache_clear()

@@ -239,6 +239,11 @@ def describe(dtype: torch.dtype, model: nn.Module | None = None) -> str:
 # int8: weights quantized once per output channel, activations per call. On a CPU a one-token pass of the
 # 0.5B middle drafter reads a quarter of the bytes, and the product runs on the quantized engine.
 INT8_ENV = "TREEGRAFT_DRAFT_INT8"  # auto (default) | on | off
+# The probe's margin can be small (1 row: bf16 0.11 ms, int8 0.09 on a Zen 4 EPYC), and on a box whose speed moves
+# it picked bf16 in one process and int8 in the next, which changes the middle drafter's speed (a one-token pass
+# 47 against 35 ms there), what it proposes, and the key of every profile and fitted scheduler. As with row
+# padding, the first choice on a processor, threads and dtype is recorded (under paths.cache_root()) and kept.
+INT8_RECORD = "kernels/int8.json"
 
 
 def int8_unsupported(dtype: torch.dtype) -> str | None:
@@ -283,7 +288,7 @@ def _int8_layer(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return layer if dtype == torch.float32 else Int8Linear(layer, dtype)
 
 
-def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+def int8_probe(dtype: torch.dtype = torch.float32, repeats: int = _PROBE_REPEATS) -> tuple[bool, str]:
     """(int8 faster than the `dtype` product this process runs at both 1 and 16 rows, what was measured)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2 * _PROBE_DIM, _PROBE_DIM, generator=g)
@@ -301,7 +306,7 @@ def int8_probe(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
         x = torch.randn(r, _PROBE_DIM, generator=g).to(dtype)
         fns[r, name] = lambda x=x: base(x)
         fns[r, "int8"] = lambda x=x: q(x)
-    ms = best_ms(fns, _PROBE_REPEATS)
+    ms = best_ms(fns, repeats)
     wins = all(ms[r, "int8"] < ms[r, name] for r in PROBE_ROWS)
     text = ", ".join(f"{r} rows: {name} {ms[r, name]:.2f} ms, int8 {ms[r, 'int8']:.2f} ms" for r in PROBE_ROWS)
     return wins, f"probe {text}"
@@ -328,8 +333,17 @@ def int8_choice(dtype: torch.dtype) -> Int8Choice:
         return Int8Choice(False, why_not)
     if mode == "on":
         return Int8Choice(True, f"${INT8_ENV}=on")
-    wins, measured = int8_probe(dtype)
-    return Int8Choice(wins, f"{measured} ({'int8' if wins else 'int8 not faster at every size'})")
+    path = cache_root() / INT8_RECORD
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    linear = "packed" if choice(dtype).packed else "stock"
+    key = f"{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads-{str(dtype).removeprefix('torch.')}-{linear}"
+    if key not in record:
+        wins, measured = int8_probe(dtype, repeats=3 * _PROBE_REPEATS)  # once a machine: a longer look
+        record[key] = {"int8": wins, "measured": measured}
+        write_json(path, record)
+    wins, measured = record[key]["int8"], record[key]["measured"]
+    return Int8Choice(wins, f"{measured} ({'int8' if wins else 'int8 not faster at every size'}; recorded in {path})")
 
 
 def quantize_int8(model: nn.Module) -> int:
