@@ -104,9 +104,7 @@ _CHECKED: set[tuple[str, tuple]] = set()
 
 def measured_when_busy(lm: CausalLM, cached: dict[int, float], path: Path, drafting: bool = False) -> bool:
     """Whether the cached profile `cached` (ms by size) was measured while something else used the device:
-    at one of its check_sizes it costs STALE_RATIO times what a pass measured now does (and STALE_MIN_MS more).
-    Says so when it was.
-    Checked once per process and contents."""
+    at one of its check_sizes it is `slower_than_now`. Says so when it was. Checked once per process and contents."""
     key = (str(path), tuple(sorted(cached.items())))
     if key in _CHECKED:
         return False

@@ -208,10 +208,15 @@ def row_padding(linears: list[PackedLinear]) -> int:
 
 def _padding_key(stack: list[PackedLinear]) -> str:
     """The processor, threads, dtype and probed layer shapes a padding choice was measured for."""
-    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
     shapes = "-".join(dict.fromkeys(f"{m.out_features}x{m.in_features}" for m in stack))
     dtype = str(stack[0].packed_weight.dtype).removeprefix("torch.")
-    return f"{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads-{dtype}-{len(stack)}layers-{shapes}"
+    return f"{_machine_key()}-{dtype}-{len(stack)}layers-{shapes}"
+
+
+def _machine_key() -> str:
+    """The processor, its cores and this process's threads, as a recorded choice's key starts."""
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    return f"{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
 
 
 def _sweep_ms(stack: list[PackedLinear], rows) -> dict[int, float]:
@@ -335,9 +340,8 @@ def int8_choice(dtype: torch.dtype) -> Int8Choice:
         return Int8Choice(True, f"${INT8_ENV}=on")
     path = cache_root() / INT8_RECORD
     record = json.loads(path.read_text()) if path.is_file() else {}
-    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
     linear = "packed" if choice(dtype).packed else "stock"
-    key = f"{cpu}-{os.cpu_count()}cores-{torch.get_num_threads()}threads-{str(dtype).removeprefix('torch.')}-{linear}"
+    key = f"{_machine_key()}-{str(dtype).removeprefix('torch.')}-{linear}"
     if key not in record:
         wins, measured = int8_probe(dtype, repeats=3 * _PROBE_REPEATS)  # once a machine: a longer look
         record[key] = {"int8": wins, "measured": measured}
