@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -26,6 +27,7 @@ from .decoding.scheduler import fitted_tree
 from .evaluation.benchmarks import BENCHMARKS, builtin, chat_prompt
 from .evaluation.evaluate import EvalConfig, Evaluation
 from .evaluation.methods import DEFAULT_METHODS
+from .evaluation.timelimit import parse_seconds
 from .models import compact, draft, kernels, precision
 from .models.loading import (
     LoadedModel,
@@ -235,12 +237,14 @@ def cmd_generate(args, engine: EngineFactory) -> int:
 
 
 def cmd_eval(args, engine: EngineFactory) -> int:
+    started = time.monotonic()  # --time-limit counts from here: loading, measuring and fitting count too
     budget = _eval_budget(args.budget)
     cfg = EvalConfig(benchmarks=[b for b in args.benchmarks.split(",") if b], benchmark_files=args.benchmark_file,
                      methods=[m for m in args.methods.split(",") if m], prompts_per_benchmark=args.prompts_per_benchmark,
                      max_new_tokens=args.max_new_tokens, out=Path(args.out), multi_turn=args.multi_turn, budget=budget,
                      cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-                     scheduler=Path(args.scheduler) if args.scheduler else None, pair=(args.target, args.middle))
+                     scheduler=Path(args.scheduler) if args.scheduler else None, pair=(args.target, args.middle),
+                     time_limit=parse_seconds(args.time_limit) if args.time_limit else None, started=started)
     for b in cfg.benchmarks:
         builtin(b)  # unknown names fail before any model is loaded
     target, middle = load_pair(args, need_middle=True)
@@ -396,6 +400,11 @@ def build_parser(ray: RayCommands) -> argparse.ArgumentParser:
     e.add_argument("--scheduler", default=None, metavar="PATH",
                    help="scheduler artifact (treegraft fit) for treegraft, value-planner and oracle (default: the "
                         "one shipped for the embedded pair)")
+    e.add_argument("--time-limit", default=None, metavar="T",
+                   help="end within T (seconds, or 20m): from the second round of prompts on, methods other than ar, "
+                        "treegraft and the peers are left out (the last listed first), or the run stops at the end "
+                        "of a round, when the rest would not fit; what was left out is printed and written under "
+                        "the summary. Default: no limit")
     e.add_argument("--out", default="out/eval")
     e.set_defaults(func=functools.partial(cmd_eval, engine=ray.engine))
 

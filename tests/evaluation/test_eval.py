@@ -163,6 +163,8 @@ def test_summary_rebuilds_the_table_of_a_folder_and_refuses_bad_ones(tmp_path, b
     (["--budget", "hf-pld=4"], "not one of our tree methods"),
     (["--methods", "ar,all-small", "--budget", "all-mid=4"], "not one of our tree methods"),
     (["--prompts-per-benchmark", "0"], "prompts-per-benchmark"),
+    (["--time-limit", "20 minutes"], "--time-limit must be a positive number of seconds or minutes (900, 900s, 15m"),
+    (["--time-limit", "0"], "--time-limit must be a positive"),
 ])
 def test_eval_bad_input(argv, needle, capsys):
     code = main(["eval", "--target", "/no/model"] + argv)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -69,6 +70,7 @@ from .methods import (
 )
 from .peers import PEER_METHODS, run_peer
 from .summary import Summary, summarize
+from .timelimit import TimeLimit, plan
 
 WARMUP_PROMPTS = 2
 COST_CONTEXT_BENCHMARK = "humaneval"  # its last question: the context an n-gram step is timed on
@@ -88,12 +90,18 @@ class EvalConfig:
     cache_dir: Path | None = None
     scheduler: Path | None = None  # artifact for treegraft / value-planner / oracle (default: the packaged one)
     pair: tuple[str, str] | None = None  # (target, middle) as named on the command line: selects the artifact
+    time_limit: float | None = None  # seconds for the whole run (timelimit.py says what a run leaves out for it)
+    started: float | None = None  # time.monotonic() when the command began (default: when this config is made)
 
     def __post_init__(self):
         if self.prompts_per_benchmark < 1:
             raise ValueError(f"--prompts-per-benchmark must be at least 1, got {self.prompts_per_benchmark}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ValueError(f"--time-limit must be positive, got {self.time_limit}")
+        if self.started is None:
+            self.started = time.monotonic()
         one_budget = self.budget == "auto" or isinstance(self.budget, int) and self.budget >= 1
         if not (one_budget or isinstance(self.budget, dict)):
             raise ValueError(f"--budget must be 'auto', an integer >= 1 or METHOD=N,..., got {self.budget!r}")
@@ -122,6 +130,7 @@ class Prompt:
     prompt_id: str
     turn: int
     ids: list[int]
+    rank: int = 0  # the question's place in its set: prompts of rank 0 are the first round
 
 
 def select_questions(cfg: EvalConfig) -> list[Question]:
@@ -135,10 +144,13 @@ def select_questions(cfg: EvalConfig) -> list[Question]:
 class Evaluation:
     """One run: decoders per method (with their budgets), the loop, the outputs."""
 
-    def __init__(self, target: LoadedModel, middle: LoadedModel | None, cfg: EvalConfig, log=print, engine=None):
+    def __init__(self, target: LoadedModel, middle: LoadedModel | None, cfg: EvalConfig, log=print, engine=None,
+                 clock: Callable[[], float] = time.monotonic):
         """`engine`: a DistributedEngine (anything with Decoder.generate's signature) that runs our methods
-        instead of in-process decoders; its tree settings are fixed, so the budget must be a number."""
+        instead of in-process decoders; its tree settings are fixed, so the budget must be a number. `clock`
+        times the runs for --time-limit (cfg.started is on it)."""
         self.target, self.middle, self.cfg, self.log, self.engine = target, middle, cfg, log, engine
+        self.clock = clock
         need_middle = [m for m in cfg.methods if m not in (AR_METHOD, "hf-pld") and fixed_base(m) != "all-small"]
         if middle is None and need_middle:
             raise ValueError(f"methods {', '.join(need_middle)} need a middle drafter; drop them or give --middle")
@@ -315,13 +327,14 @@ class Evaluation:
     # -- the run --------------------------------------------------------------------------------------
     def prompts(self, questions: list[Question], answer: Callable[[list[int]], list[int]]) -> list[Prompt]:
         """First turns (all turns with --multi-turn: later turns carry the reference answers so far)."""
-        out = []
+        out, seen = [], {}
         for q in questions:
             turns = q.turns if self.cfg.multi_turn else q.turns[:1]
             answers: list[str] = []
+            rank = seen[q.benchmark] = seen.get(q.benchmark, -1) + 1
             for k in range(len(turns)):
                 ids = chat_prompt(self.target.tokenizer, list(turns[: k + 1]), answers)
-                out.append(Prompt(q.benchmark, q.question_id, k + 1, ids))
+                out.append(Prompt(q.benchmark, q.question_id, k + 1, ids, rank))
                 if k + 1 < len(turns):
                     answers.append(self.target.tokenizer.decode(answer(ids), skip_special_tokens=True))
         return out
@@ -336,16 +349,23 @@ class Evaluation:
         prompts = self.prompts(questions, lambda ids: ar(ids, cfg.max_new_tokens).tokens)
         cfg.out.mkdir(parents=True, exist_ok=True)
         bar = tqdm(total=len(prompts) * len(cfg.methods), desc="eval", unit="run", file=sys.stderr)
-        mismatches = []
+        limit = TimeLimit(cfg.time_limit, cfg.started, clock=self.clock) if cfg.time_limit else None
+        methods, seconds, notes, mismatches = list(cfg.methods), {}, [], []
         for i, p in enumerate(prompts):
+            if limit is not None and p.rank > 0:
+                methods = self._fit_time(limit, prompts, i, methods, seconds, notes, bar)
+                if not methods:
+                    break
             results = {}
-            order = cfg.methods[i % len(cfg.methods):] + cfg.methods[: i % len(cfg.methods)]
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
             for method in order:
                 bar.set_postfix_str(f"{p.benchmark}/{p.prompt_id} {method}")
+                t0 = self.clock()
                 results[method] = runners[method](p.ids, cfg.max_new_tokens)
+                seconds.setdefault((method, p.benchmark), []).append(self.clock() - t0)
                 bar.update()
             reference = results[AR_METHOD].tokens
-            for method in cfg.methods:
+            for method in methods:
                 budget = None if method in PEER_METHODS or method == AR_METHOD else self.budgets[method]
                 row = self.judge(method, p, results[method], reference, budget)
                 if row["verdict"] == MISMATCH and is_ours(method):
@@ -354,8 +374,33 @@ class Evaluation:
             write_parquet(cfg.out / "results.parquet", pa.Table.from_pylist(self.rows))
         bar.close()
         summary = summarize(pa.Table.from_pylist(self.rows), cfg.methods)
+        summary = dataclasses.replace(summary, notes=notes + summary.notes)
         summary.write(cfg.out)
         return dataclasses.replace(summary, mismatches=mismatches)
+
+    def _fit_time(self, limit: TimeLimit, prompts: list[Prompt], i: int, methods: list[str], seconds: dict,
+                  notes: list[str], bar) -> list[str]:
+        """The methods prompt i and those after it run with to end within the time limit (none: stop here)."""
+        remaining = [q.benchmark for q in prompts[i:]]
+        p = plan(limit.left(), remaining, methods, seconds, at_round_end=prompts[i - 1].rank < prompts[i].rank)
+        if p.stop:
+            ran = len({(q.benchmark, q.prompt_id) for q in prompts[:i]})
+            note = (f"--time-limit {limit.describe()}: stopped after {prompts[i - 1].rank + 1} of "
+                    f"{self.cfg.prompts_per_benchmark} prompts per benchmark ({ran} questions run): the rest "
+                    f"needed about {p.need_s / 60:.1f} min with {p.left_s / 60:.1f} min left")
+            notes.append(note)
+            tqdm.write(note, file=sys.stderr)
+            bar.total = bar.n
+            return []
+        if p.drop:
+            note = (f"--time-limit {limit.describe()}: {', '.join(p.drop)} left out from prompt {i + 1} of "
+                    f"{len(prompts)} ({prompts[i].benchmark}/{prompts[i].prompt_id} on): the rest needed about "
+                    f"{p.need_s / 60:.1f} min with {p.left_s / 60:.1f} min left; run them with --methods "
+                    f"{','.join([AR_METHOD] + p.drop)} to cover every prompt")
+            notes.append(note)
+            tqdm.write(note, file=sys.stderr)
+            bar.total -= len(p.drop) * (len(prompts) - i)
+        return [m for m in methods if m not in p.drop]
 
     def judge(self, method: str, p: Prompt, gen: Generation, reference: list[int], budget: int | None) -> dict:
         """The result row of `gen` (`method` on prompt `p`) with its verdict against ar's `reference` tokens on

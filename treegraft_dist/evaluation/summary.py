@@ -31,6 +31,7 @@ class Summary:
     methods: list[str]
     benchmarks: list[str]
     mismatches: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the run left out (a method on fewer prompts, a stop)
 
     def table(self) -> str:
         split = [g for g in ("(held-in)", "(held-out)") if any(r["benchmark"] == g for r in self.rows)]
@@ -42,13 +43,13 @@ class Summary:
         for m in self.methods:
             per = {r["benchmark"]: r for r in self.rows if r["method"] == m}
             mean = per["(mean)"]
-            cells = [f"{per[b]['speedup']:.2f}x" for b in self.benchmarks]
+            cells = [f"{per[b]['speedup']:.2f}x" if b in per else "-" for b in self.benchmarks]
             cells += [f"{mean['speedup']:.2f}x"] + [f"{per[g]['speedup']:.2f}x" for g in split]
             acc = "-" if mean["mean_accepted"] != mean["mean_accepted"] else f"{mean['mean_accepted']:.2f}"
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {acc} | "
                          f"{mean['tokens_per_s']:.2f} | {mean['middle_calls_per_round']:.2f} | "
                          f"{_verdict_cell(mean)} |")
-        return "\n".join(lines)
+        return "\n".join(lines + ([""] + [f"- {n}" for n in self.notes] if self.notes else []))
 
     def write(self, out: Path) -> None:
         write_text(out / "summary.md", self.table() + "\n")
@@ -70,20 +71,29 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
     rows = []
     benches = sorted(set(t.column("benchmark").to_pylist()), key=lambda b: list(BENCHMARKS).index(b)
                      if b in BENCHMARKS else len(BENCHMARKS))
-    ar_rate = {}
-    for b in benches:
-        ar = t.filter((pc.field("method") == AR_METHOD) & (pc.field("benchmark") == b))
-        ar_rate[b] = pc.sum(ar.column("new_tokens")).as_py() / pc.sum(ar.column("wall_s")).as_py()
+    ar_rows = {_prompt_key(r): r for r in t.filter(pc.field("method") == AR_METHOD).to_pylist()}
+    ar_count = len(ar_rows)
+    notes = []
     for m in methods:
         per_bench = []
+        mine = [r for r in t.filter(pc.field("method") == m).to_pylist() if _prompt_key(r) in ar_rows]
+        if not mine:
+            notes.append(f"{m} has no row on a prompt ar ran: left out")
+            continue
+        if len(mine) < ar_count:
+            notes.append(f"{m} ran on {len(mine)} of the {ar_count} prompts: its speedups are over those prompts")
         for b in benches:
-            sub = t.filter((pc.field("method") == m) & (pc.field("benchmark") == b)).to_pylist()
+            sub = [r for r in mine if r["benchmark"] == b]
+            if not sub:
+                continue
+            ar = [ar_rows[_prompt_key(r)] for r in sub]  # ar on the same prompts
+            ar_rate = sum(r["new_tokens"] for r in ar) / sum(r["wall_s"] for r in ar)
             wall = sum(r["wall_s"] for r in sub)
             tokens = sum(r["new_tokens"] for r in sub)
             rounds = sum(r["rounds"] for r in sub)
             accepted = sum(r["mean_accepted"] * r["rounds"] for r in sub if r["rounds"])
             verdicts = [row_verdict(r) for r in sub]
-            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": tokens / wall / ar_rate[b],
+            row = {"method": m, "benchmark": b, "prompts": len(sub), "speedup": tokens / wall / ar_rate,
                    "mean_accepted": accepted / rounds if rounds else float("nan"),
                    "tokens_per_s": tokens / wall, "middle_calls_per_round":
                        sum(r["middle_calls"] for r in sub) / rounds if rounds else 0.0,
@@ -97,7 +107,8 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
             # The scheduler never saw these benchmarks (nor any evaluated prompt): report them apart.
             rows.append(_mean_row(m, "(held-in)", [r for r in per_bench if r not in held_out]))
             rows.append(_mean_row(m, "(held-out)", held_out))
-    return Summary(rows, methods, benches)
+    ran = [m for m in methods if any(r["method"] == m for r in rows)]
+    return Summary(rows, ran, benches, notes=notes)
 
 
 def summarize_folder(out: Path) -> Summary:
@@ -120,13 +131,9 @@ def summarize_folder(out: Path) -> Summary:
     if AR_METHOD not in methods:
         raise ValueError(f"{path} has no {AR_METHOD!r} rows: speedups are measured against them")
     rows = t.to_pylist()
-    have: dict[tuple, set] = {}
-    for r in rows:
-        have.setdefault(_prompt_key(r), set()).add(r["method"])
-    # Speedups compare methods on the same prompts: a prompt some method lacks is left out of every mean.
-    rows = [r for r in rows if have[_prompt_key(r)] == set(methods)]
-    if not rows:
-        raise ValueError(f"{path}: no prompt has a row for every method ({', '.join(methods)})")
+    # Every speedup compares a method with ar on the same prompts (summarize): a row without ar's is left out.
+    with_ar = {_prompt_key(r) for r in rows if r["method"] == AR_METHOD}
+    rows = [r for r in rows if _prompt_key(r) in with_ar]
     summary = summarize(pa.Table.from_pylist(rows), methods)
     summary.write(out)
     mismatches = [(r["method"], r["benchmark"], r["prompt_id"]) for r in rows
@@ -164,7 +171,8 @@ def plot_speedups(summary: Summary, path: Path, title: str = "Speedup by benchma
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(groups)), 4.2))
     for j, m in enumerate(methods):
-        vals = [next(r["speedup"] for r in summary.rows if r["method"] == m and r["benchmark"] == g) for g in groups]
+        vals = [next((r["speedup"] for r in summary.rows if r["method"] == m and r["benchmark"] == g), 0.0)
+                for g in groups]
         ax.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))], vals, width, label=m)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups)
