@@ -25,8 +25,8 @@ setup: $(STAMP)
 EVAL_METHODS ?= ar,all-small,all-mid,treegraft,treegraft@sized,hf-assisted,hf-pld
 # The job ends within 20 minutes from a fresh clone: setting up .venv takes about 2, the evaluation gets
 # EVAL_TIME_LIMIT (models, measurements and the scheduler's fit included). On a box too slow for every method
-# it leaves out all-small, all-mid and treegraft@sized for the last prompts, or stops after a whole round of
-# benchmarks, and says so under the summary table. EVAL_TIME_LIMIT= runs without a limit.
+# it leaves out all-small, all-mid and treegraft@sized for the last prompts, and the last prompts if need be,
+# and says so under the summary table. EVAL_TIME_LIMIT= runs without a limit.
 EVAL_TIME_LIMIT ?= 18m
 eval: $(STAMP)
 	$(VENV)/bin/treegraft eval --device cpu --prompts-per-benchmark 2 --max-new-tokens 64 \

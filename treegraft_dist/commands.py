@@ -402,9 +402,9 @@ def build_parser(ray: RayCommands) -> argparse.ArgumentParser:
                         "one shipped for the embedded pair)")
     e.add_argument("--time-limit", default=None, metavar="T",
                    help="end within T (seconds, or 20m): from the second round of prompts on, methods other than ar, "
-                        "treegraft and the peers are left out (the last listed first), or the run stops at the end "
-                        "of a round, when the rest would not fit; what was left out is printed and written under "
-                        "the summary. Default: no limit")
+                        "treegraft and the peers are left out (the last listed first) when the rest would not fit, "
+                        "and the run stops before the first prompt those cannot finish in time; what was left out "
+                        "is printed and written under the summary. Default: no limit")
     e.add_argument("--out", default="out/eval")
     e.set_defaults(func=functools.partial(cmd_eval, engine=ray.engine))
 

@@ -38,24 +38,25 @@ def test_the_projection_uses_each_methods_time_on_the_same_benchmark():
 
 
 def test_a_run_that_fits_leaves_nothing_out():
-    p = plan(1000.0, ["gsm8k", "humaneval"], METHODS, SECONDS, at_round_end=True)
+    p = plan(1000.0, ["gsm8k", "humaneval"], METHODS, SECONDS)
     assert (p.drop, p.stop, p.need_s) == ([], False, pytest.approx(3 * 97))
 
 
 def test_methods_are_left_out_last_listed_first_never_ar_treegraft_or_the_peers():
     remaining = ["gsm8k", "humaneval"]  # 3 s of every method's gsm8k second: all need 291 s, the kept 168
-    assert plan(291 - 36, remaining, METHODS, SECONDS, True).drop == ["treegraft@sized"]
-    assert plan(291 - 37, remaining, METHODS, SECONDS, True).drop == ["treegraft@sized", "all-mid"]
-    p = plan(168, remaining, METHODS, SECONDS, at_round_end=True)
+    assert plan(291 - 36, remaining, METHODS, SECONDS).drop == ["treegraft@sized"]
+    assert plan(291 - 37, remaining, METHODS, SECONDS).drop == ["treegraft@sized", "all-mid"]
+    p = plan(168, remaining, METHODS, SECONDS)
     assert (p.drop, p.stop) == (["treegraft@sized", "all-mid", "all-small"], False)
 
 
-def test_a_run_the_kept_methods_cannot_finish_stops_only_at_the_end_of_a_round():
-    p = plan(167, ["gsm8k", "humaneval"], METHODS, SECONDS, at_round_end=True)
-    assert p.stop and p.left_s == 167
-    # Mid-round it goes on with the kept methods, so every benchmark keeps the same number of prompts.
-    p = plan(167, ["gsm8k", "humaneval"], METHODS, SECONDS, at_round_end=False)
-    assert not p.stop and p.drop == ["treegraft@sized", "all-mid", "all-small"]
+def test_the_kept_methods_go_on_while_the_next_prompt_fits_then_the_run_stops():
+    # The kept methods need 56 s for gsm8k's prompt and 112 for humaneval's.
+    p = plan(167, ["gsm8k", "humaneval"], METHODS, SECONDS)
+    assert (p.drop, p.stop) == (["treegraft@sized", "all-mid", "all-small"], False)
+    assert plan(56, ["gsm8k", "humaneval"], METHODS, SECONDS).stop is False
+    p = plan(55, ["gsm8k", "humaneval"], METHODS, SECONDS)
+    assert p.stop and p.left_s == 55
 
 
 def _row(method, prompt, tokens, wall):
@@ -100,7 +101,7 @@ def test_a_run_over_its_limit_leaves_methods_out_then_stops_at_a_round_end_and_s
     clock = SteppedClock(10.0)
     # gsm8k's first three questions, one a round. Round 1: four runs of 10 s (the clock reads 0 to 70). Before
     # prompt 2 the clock reads 80: 70 s are left (the limit less RESERVE_S and 80) for 2 x 4 runs: all-mid is left
-    # out. Before prompt 3 (clock 150) nothing is left even for ar and hf-pld: the run stops there.
+    # out. Before prompt 3 (clock 150) nothing is left even for ar and hf-pld on it: the run stops there.
     cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "all-small", "all-mid", "hf-pld"], prompts_per_benchmark=3,
                      max_new_tokens=6, budget=4, out=tmp_path / "out", time_limit=70 + 80 + RESERVE_S,
                      started=0.0)
@@ -114,8 +115,9 @@ def test_a_run_over_its_limit_leaves_methods_out_then_stops_at_a_round_end_and_s
     err = capsys.readouterr().err.replace(f"--time-limit {cfg.time_limit:.0f} s:", "--time-limit {limit}:")
     assert "--time-limit {limit}: all-mid left out from prompt 2 of 3" in err
     assert "run them with --methods ar,all-mid to cover every prompt" in err
-    assert "--time-limit {limit}: stopped after 2 of 3 prompts per benchmark (2 questions run)" in err
+    assert ("--time-limit {limit}: stopped before prompt 3 of 3 (gsm8k/" in err
+            and "prompts run per benchmark: gsm8k 2" in err)
     table = (tmp_path / "out" / "summary.md").read_text()
-    assert "all-mid left out from prompt 2 of 3" in table and "stopped after 2 of 3 prompts" in table
+    assert "all-mid left out from prompt 2 of 3" in table and "stopped before prompt 3 of 3" in table
     assert "all-mid ran on 1 of the 2 prompts: its speedups are over those prompts" in table
     assert len(summary.notes) == 3 and summary.notes[2].startswith("all-mid ran on 1 of the 2 prompts")

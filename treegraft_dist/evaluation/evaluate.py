@@ -382,12 +382,15 @@ class Evaluation:
                   notes: list[str], bar) -> list[str]:
         """The methods prompt i and those after it run with to end within the time limit (none: stop here)."""
         remaining = [q.benchmark for q in prompts[i:]]
-        p = plan(limit.left(), remaining, methods, seconds, at_round_end=prompts[i - 1].rank < prompts[i].rank)
+        p = plan(limit.left(), remaining, methods, seconds)
         if p.stop:
-            ran = len({(q.benchmark, q.prompt_id) for q in prompts[:i]})
-            note = (f"--time-limit {limit.describe()}: stopped after {prompts[i - 1].rank + 1} of "
-                    f"{self.cfg.prompts_per_benchmark} prompts per benchmark ({ran} questions run): the rest "
-                    f"needed about {p.need_s / 60:.1f} min with {p.left_s / 60:.1f} min left")
+            ran = {}
+            for q in prompts[:i]:
+                ran[q.benchmark] = ran.get(q.benchmark, 0) + 1
+            note = (f"--time-limit {limit.describe()}: stopped before prompt {i + 1} of {len(prompts)} "
+                    f"({prompts[i].benchmark}/{prompts[i].prompt_id}): the rest needed about {p.need_s / 60:.1f} min "
+                    f"with {max(p.left_s, 0) / 60:.1f} min left; prompts run per benchmark: "
+                    + ", ".join(f"{b} {n}" for b, n in ran.items()))
             notes.append(note)
             tqdm.write(note, file=sys.stderr)
             bar.total = bar.n
@@ -395,7 +398,7 @@ class Evaluation:
         if p.drop:
             note = (f"--time-limit {limit.describe()}: {', '.join(p.drop)} left out from prompt {i + 1} of "
                     f"{len(prompts)} ({prompts[i].benchmark}/{prompts[i].prompt_id} on): the rest needed about "
-                    f"{p.need_s / 60:.1f} min with {p.left_s / 60:.1f} min left; run them with --methods "
+                    f"{p.need_s / 60:.1f} min with {max(p.left_s, 0) / 60:.1f} min left; run them with --methods "
                     f"{','.join([AR_METHOD] + p.drop)} to cover every prompt")
             notes.append(note)
             tqdm.write(note, file=sys.stderr)

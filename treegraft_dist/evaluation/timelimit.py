@@ -3,9 +3,10 @@
 Prompts run round-robin over the benchmarks, every method on every prompt. From the second round on, before
 each prompt, the time the remaining prompts need is projected from what each method took on the same
 benchmark in earlier rounds. If that passes the bound, methods are left out for the remaining prompts, the last
-listed first; `ar` (the reference), `treegraft` and the peers are never left out. If those alone still do not
-fit, the run stops at the end of a round, so every benchmark keeps the same number of prompts. Either is said
-when it happens and written under the summary table; a run that fits leaves out nothing.
+listed first; `ar` (the reference), `treegraft` and the peers are never left out. If those alone cannot finish
+every prompt, they go on while the next prompt fits, and the run stops before the first that does not: the
+prompts run go round-robin, so the benchmarks differ by at most one prompt. Either is said when it happens and
+written under the summary table; a run that fits leaves out nothing.
 """
 
 from __future__ import annotations
@@ -57,12 +58,11 @@ def project(remaining: list[str], methods: list[str], seconds: dict[tuple[str, s
     return total
 
 
-def plan(left_s: float, remaining: list[str], methods: list[str], seconds: dict[tuple[str, str], list[float]],
-         at_round_end: bool) -> Plan:
+def plan(left_s: float, remaining: list[str], methods: list[str], seconds: dict[tuple[str, str], list[float]]) -> Plan:
     """What to leave out so the remaining prompts (their benchmarks) fit `left_s`: droppable methods last-listed
-    first until they fit; if the kept methods alone do not fit, stop, but only at the end of a round."""
-    need = project(remaining, methods, seconds)
-    out = Plan(need_s=need, left_s=left_s)
+    first until they fit; if the kept methods alone cannot finish them all, they run the next prompt if it fits
+    and the run stops when it does not."""
+    out = Plan(need_s=project(remaining, methods, seconds), left_s=left_s)
     running = list(methods)
     for m in reversed(methods):
         if project(remaining, running, seconds) <= left_s:
@@ -70,8 +70,7 @@ def plan(left_s: float, remaining: list[str], methods: list[str], seconds: dict[
         if m not in KEPT:
             running.remove(m)
             out.drop.append(m)
-    if project(remaining, running, seconds) > left_s and at_round_end:
-        out.stop = True
+    out.stop = project(remaining[:1], running, seconds) > left_s
     return out
 
 
