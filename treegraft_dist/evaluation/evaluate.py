@@ -14,7 +14,8 @@ Speed is compared on equal token counts: the speedup of a method on a benchmark 
 counts are equal that is exactly the ratio of wall times; after a near-tie a method's output may be
 shorter or longer than ar's (it stopped at eos elsewhere), and the ratio of wall times would credit or
 charge it for tokens it did not decode. Methods run interleaved per prompt, so machine noise hits them
-alike; one warm-up request per method (not timed) comes first.
+alike; one warm-up request per method (not timed) comes first. With a time limit (cfg.time_limit) a run leaves
+methods out of its last prompts, or those prompts, to end in time, and says so (timelimit.py).
 
 The method registry is methods.py; reading results back, the summary table and the chart are summary.py.
 """
