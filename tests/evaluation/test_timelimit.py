@@ -43,11 +43,21 @@ def test_a_run_that_fits_leaves_nothing_out():
 
 
 def test_methods_are_left_out_last_listed_first_never_ar_treegraft_or_the_peers():
-    remaining = ["gsm8k", "humaneval"]  # 3 s of every method's gsm8k second: all need 291 s, the kept 168
+    # humaneval's prompt first (so none of these can wait for a later one): all need 291 s, the kept 168.
+    remaining = ["humaneval", "gsm8k"]
     assert plan(291 - 36, remaining, METHODS, SECONDS).drop == ["treegraft@sized"]
     assert plan(291 - 37, remaining, METHODS, SECONDS).drop == ["treegraft@sized", "all-mid"]
     p = plan(168, remaining, METHODS, SECONDS)
     assert (p.drop, p.stop) == (["treegraft@sized", "all-mid", "all-small"], False)
+
+
+def test_a_method_is_left_out_only_from_the_last_prompt_that_leaves_the_rest_time_enough():
+    # 255 s: the rest fits without treegraft@sized (its 12 + 24 s). gsm8k's prompt with it (97 s) and humaneval's
+    # without (170 s) need 267: it is left out now. With 270 s it runs gsm8k's prompt and is left out later.
+    assert plan(255, ["gsm8k", "humaneval"], METHODS, SECONDS).drop == ["treegraft@sized"]
+    p = plan(270, ["gsm8k", "humaneval"], METHODS, SECONDS)
+    assert (p.drop, p.stop) == ([], False)
+    assert plan(270 - 97, ["humaneval"], METHODS, SECONDS).drop == ["treegraft@sized"]
 
 
 def test_the_kept_methods_go_on_while_the_next_prompt_fits_then_the_run_stops():
@@ -100,10 +110,11 @@ def test_a_run_over_its_limit_leaves_methods_out_then_stops_at_a_round_end_and_s
     middle = LoadedModel(CausalLM(perturbed_copy(model, 0.2, 1)), tok, "tiny-middle")
     clock = SteppedClock(10.0)
     # gsm8k's first three questions, one a round. Round 1: four runs of 10 s (the clock reads 0 to 70). Before
-    # prompt 2 the clock reads 80: 70 s are left (the limit less RESERVE_S and 80) for 2 x 4 runs: all-mid is left
-    # out. Before prompt 3 (clock 150) nothing is left even for ar and hf-pld on it: the run stops there.
+    # prompt 2 the clock reads 80: 65 s are left (the limit less RESERVE_S and 80) for 2 x 4 runs: all-mid is left
+    # out (prompt 2 with it and prompt 3 without would need 70). Before prompt 3 (clock 150) nothing is left even
+    # for ar and hf-pld on it: the run stops there.
     cfg = EvalConfig(benchmarks=["gsm8k"], methods=["ar", "all-small", "all-mid", "hf-pld"], prompts_per_benchmark=3,
-                     max_new_tokens=6, budget=4, out=tmp_path / "out", time_limit=70 + 80 + RESERVE_S,
+                     max_new_tokens=6, budget=4, out=tmp_path / "out", time_limit=65 + 80 + RESERVE_S,
                      started=0.0)
     summary = Evaluation(target, middle, cfg, clock=clock).run()
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()

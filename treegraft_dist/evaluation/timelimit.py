@@ -2,10 +2,11 @@
 
 Prompts run round-robin over the benchmarks, every method on every prompt. From the second round on, before
 each prompt, the time the remaining prompts need is projected from what each method took on the same
-benchmark in earlier rounds. If that passes the bound, methods are left out for the remaining prompts, the last
-listed first; `ar` (the reference), `treegraft` and the peers are never left out. If those alone cannot finish
-every prompt, they go on while the next prompt fits, and the run stops before the first that does not: the
-prompts run go round-robin, so the benchmarks differ by at most one prompt. Either is said when it happens and
+benchmark in earlier rounds. If that passes the bound, methods are left out of the remaining prompts, the last
+listed first, from the last prompt that leaves the rest enough time; `ar` (the reference), `treegraft` and the
+peers are never left out. If those alone cannot finish every prompt, they go on while the next prompt fits,
+and the run stops before the first that does not: the prompts run go round-robin, so the benchmarks differ by
+at most one prompt. Either is said when it happens and
 written under the summary table; a run that fits leaves out nothing.
 """
 
@@ -59,18 +60,23 @@ def project(remaining: list[str], methods: list[str], seconds: dict[tuple[str, s
 
 
 def plan(left_s: float, remaining: list[str], methods: list[str], seconds: dict[tuple[str, str], list[float]]) -> Plan:
-    """What to leave out so the remaining prompts (their benchmarks) fit `left_s`: droppable methods last-listed
-    first until they fit; if the kept methods alone cannot finish them all, they run the next prompt if it fits
-    and the run stops when it does not."""
+    """What to leave out of the next prompt so the remaining prompts (their benchmarks) fit `left_s`: droppable
+    methods last-listed first until they fit, but none while the next prompt with every method and the rest
+    without those still fit (a method covers as many prompts as the time allows); if the kept methods alone
+    cannot finish them all, they run the next prompt if it fits and the run stops when it does not."""
     out = Plan(need_s=project(remaining, methods, seconds), left_s=left_s)
     running = list(methods)
     for m in reversed(methods):
         if project(remaining, running, seconds) <= left_s:
-            return out
+            break
         if m not in KEPT:
             running.remove(m)
             out.drop.append(m)
-    out.stop = project(remaining[:1], running, seconds) > left_s
+    if project(remaining, running, seconds) > left_s:
+        out.stop = project(remaining[:1], running, seconds) > left_s
+        return out
+    if out.drop and project(remaining[:1], methods, seconds) + project(remaining[1:], running, seconds) <= left_s:
+        out.drop = []  # this prompt still fits with every method: leave them out from a later one
     return out
 
 
