@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -385,9 +386,7 @@ class Evaluation:
         remaining = [q.benchmark for q in prompts[i:]]
         p = plan(limit.left(), remaining, methods, seconds)
         if p.stop:
-            ran = {}
-            for q in prompts[:i]:
-                ran[q.benchmark] = ran.get(q.benchmark, 0) + 1
+            ran = Counter(q.benchmark for q in prompts[:i])
             note = (f"--time-limit {limit.describe()}: stopped before prompt {i + 1} of {len(prompts)} "
                     f"({prompts[i].benchmark}/{prompts[i].prompt_id}): the rest needed about {p.need_s / 60:.1f} min "
                     f"with {max(p.left_s, 0) / 60:.1f} min left; prompts run per benchmark: "

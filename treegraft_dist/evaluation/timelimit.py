@@ -6,8 +6,8 @@ benchmark in earlier rounds. If that passes the bound, methods are left out of t
 listed first, from the last prompt that leaves the rest enough time; `ar` (the reference), `treegraft` and the
 peers are never left out. If those alone cannot finish every prompt, they go on while the next prompt fits,
 and the run stops before the first that does not: the prompts run go round-robin, so the benchmarks differ by
-at most one prompt. Either is said when it happens and
-written under the summary table; a run that fits leaves out nothing.
+at most one prompt. Either is said when it happens and written under the summary table; a run that fits leaves
+out nothing.
 """
 
 from __future__ import annotations
@@ -93,8 +93,4 @@ class TimeLimit:
         return self.seconds - self.reserve_s - (self.clock() - self.started)
 
     def describe(self) -> str:
-        return _minutes(self.seconds)
-
-
-def _minutes(s: float) -> str:
-    return f"{s / 60:g} min" if s >= 600 else f"{s:.0f} s"
+        return f"{self.seconds / 60:g} min" if self.seconds >= 600 else f"{self.seconds:.0f} s"
