@@ -3,12 +3,13 @@ decoding with it still reproduces the target's greedy output."""
 
 import numpy as np
 import pytest
+import torch
 from test_engine import pair, prompts
-from tiny import hf_greedy, perturbed_copy
+from tiny import VOCAB, hf_greedy, perturbed_copy, tiny_model
 
 from treegraft_dist.decoding.config import TreeConfig
 from treegraft_dist.decoding.engine import Decoder
-from treegraft_dist.decoding.sizing import TreeSizer
+from treegraft_dist.decoding.sizing import CopyReach, TreeSizer
 from treegraft_dist.decoding.tree import ORIGIN_NGRAM, DraftTree, Proposal
 from treegraft_dist.models.hf import CausalLM
 
@@ -281,3 +282,70 @@ def test_drafting_only_while_it_pays_equals_target_greedy(middle):
         assert explored and all(s == 2 and c == 0 for s, c in explored), explored
         # Drafts the target accepts, trees as cheap as a step: drafting pays, every round drafts.
         assert 1 not in b.stats.tree_sizes and sum(b.stats.accepted) / b.stats.rounds > 2, b.stats.accepted
+
+
+def copy_tree(length: int = 12) -> DraftTree:
+    """Root -> a pinned chain of `length` copied tokens, plus two unpinned siblings of its first token."""
+    tree = DraftTree(0)
+    parents = list(range(length)) + [0, 0]
+    pins = np.r_[np.ones(length, bool), False, False]
+    tree.graft(Proposal(1, np.array(parents), np.arange(10, 12 + length), np.zeros(length + 2), ORIGIN_NGRAM,
+                        pinned=pins), 1)
+    return tree
+
+
+def test_a_copy_that_goes_on_is_verified_past_the_budget_where_that_pays():
+    tree = copy_tree()
+    kept = tree.prune(4)[1]
+    assert list(kept) == [0, 1, 2, 3]  # the budget holds the copy's first three tokens
+    # A 12-node pass costs 1.5 four-node ones, a 16-node one 3: the chain's 13 nodes are not worth the step to 16.
+    reach = CopyReach({1: 100.0, 4: 100.0, 8: 130.0, 12: 150.0, 16: 300.0})
+    for _ in range(4):  # this request's copies are accepted as far as they are verified
+        ids = reach.extend(tree, kept)
+        assert ids is not None and list(ids) == list(range(len(ids)))  # the chain's first tokens, past the budget
+        reach.observe(tree, ids, list(range(1, len(ids))))
+    assert list(ids) == list(range(12))  # the copy goes on: as far as a 12-node pass reaches
+    assert np.all(reach.q() > CopyReach.PRIOR)
+    # A new request whose copies stop at once: the further tokens would be accepted if the first were (as far as
+    # the table knows), so it takes a few rounds, but then only the budget is verified again.
+    reach.start_request()
+    rounds = 0
+    while (ids := reach.extend(tree, kept)) is not None and rounds < 20:
+        reach.observe(tree, ids, [])
+        rounds += 1
+    assert 1 <= rounds <= 8 and not reach.running
+    # Where the pass grows steeply past the budget, never.
+    steep = CopyReach({1: 100.0, 4: 100.0, 8: 400.0, 12: 600.0, 16: 800.0})
+    assert steep.extend(tree, kept) is None
+    # Only where the budget holds the copy alone: with an unpinned sibling kept, the budget stands.
+    assert reach.extend(tree, np.array([0, 1, 2, 13])) is None
+    with pytest.raises(ValueError, match="verification costs"):
+        CopyReach({})
+
+
+def copying_pair() -> tuple[CausalLM, CausalLM, list[int]]:
+    """A target whose attention adds nothing (its next token follows from the last one alone), a middle drafter
+    close to it, and a prompt that holds, earlier, the very span the target generates after it: the n-gram
+    drafter copies that span from the prompt and the target accepts it whole."""
+    model = tiny_model(seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    target, mid = CausalLM(model), CausalLM(perturbed_copy(model, 0.3, 4))
+    start = max(range(VOCAB), key=lambda a: len(set(hf_greedy(target, [a], 24))))  # the longest span before a loop
+    return target, mid, [5, 6, 7, start] + hf_greedy(target, [start], 24) + [9, 8, 7, start]
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_a_copied_span_is_verified_past_the_budget_and_output_equals_target_greedy(steep):
+    target, mid, prompt = copying_pair()
+    costs = {1: 10.0, 2: 10.0, 4: 10.0, 8: 11.0, 16: 12.0, 32: 20.0}
+    if steep:  # passes past the budget cost far more than what the copy's tokens could save
+        costs.update({8: 80.0, 16: 160.0, 32: 320.0})
+    dec = Decoder(target, mid, TreeConfig(budget=4), reach=CopyReach(costs))
+    gen = dec.generate(prompt, 30, "all-small")
+    assert gen.tokens == hf_greedy(target, prompt, 30)
+    if steep:
+        assert max(gen.stats.tree_sizes) == 4
+    else:  # the copy's 13 tokens (its first and a long chain of 12) in one pass, all accepted
+        assert gen.stats.tree_sizes[:2] == [14, 14] and gen.stats.accepted[0] == 14

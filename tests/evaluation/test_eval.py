@@ -350,11 +350,14 @@ def test_published_settings_run_side_by_side_with_the_long_chain_extension(pair,
     shallow = ev._decoder("all-mid@shallow", 16).cfg
     assert shallow.long_chain > 0 and shallow.deepen == 0 and TreeConfig(deepen=10).deepen == 10
     assert ev._decoder("all-small", 16).cfg.pin_match == 2 and ev._decoder("all-small@unpinned", 16).cfg.pin_match == 0
+    # A copy the budget cuts short is verified further (CopyReach, priced by this device's passes), except @capped.
+    assert ev._decoder("all-small", 16).reach is not None and ev._decoder("all-small@capped", 16).reach is None
+    assert ev._decoder("all-small@unpinned", 16).reach is None and ev._decoder("all-small@sized", 16).reach is None
     summary = ev.run()
     assert summary.mismatches == []
     assert {r["method"] for r in summary.rows} == {"ar", "all-small", "all-small@published", "10000@published"}
     EvalConfig(methods=["treegraft@published", "treegraft@shallow", "all-mid@shallow",
-                        "treegraft@unpinned"])  # all known
+                        "treegraft@unpinned", "treegraft@capped", "all-mid@capped"])  # all known
     with pytest.raises(ValueError, match="unknown method"):
         EvalConfig(methods=["treegraft@shallow@published"])
 

@@ -36,7 +36,7 @@ from .request import (
 from .sampling import SamplingParams, check_seed
 from .schedule import SchedulePolicy, as_policy, fixed_schedule
 from .signals import READ_BLOCK, Timings, compute_signals
-from .sizing import DraftingMeans, LoadBudget, TreeSizer
+from .sizing import CopyReach, DraftingMeans, LoadBudget, TreeSizer
 from .stats import PhaseTimer, RequestStats
 from .tree import ORIGIN_MIDDLE, DraftTree, next_frontier
 from .verify import TargetVerifier, Verdict
@@ -237,7 +237,7 @@ class Decoder:
     def __init__(self, target: CausalLM, middle: CausalLM | None = None, tree: TreeConfig = TreeConfig(),
                  sampling: SamplingParams = SamplingParams(), timings: Timings | None = None,
                  probe_budgets: tuple[int, ...] = (), sizer: TreeSizer | None = None,
-                 verify_ms: dict[int, float] | None = None):
+                 verify_ms: dict[int, float] | None = None, reach: CopyReach | None = None):
         """`probe_budgets`: also record, per round, the accepted length had the tree been pruned to each
         of these budgets instead (greedy only; for choosing a budget). `sizer`: choose each round's tree
         and its size from calibrated acceptance and the device's costs (sizing.py) instead of pruning to
@@ -245,7 +245,8 @@ class Decoder:
         this device's verification milliseconds by tree size (costs.latency_profile); with them a round
         drafts only while drafting pays for its request (sizing.Payoff, as the served engine decides for a
         request alone) and is a plain step where it does not; greedy only (Payoff decides from timings, and a
-        sampled text must depend on its seed alone)."""
+        sampled text must depend on its seed alone). `reach`: where a round's budget holds only the first tokens
+        of a copied span, verify as much more of it as pays (sizing.CopyReach, learning across requests)."""
         self.target = target
         self.middle = middle
         self.cfg = tree
@@ -253,6 +254,7 @@ class Decoder:
         self._timings = timings
         self.probe_budgets = probe_budgets
         self.sizer = sizer
+        self.reach = reach
         self.alone = LoadBudget(tree.budget, verify_ms) if verify_ms else None
         self.drafting = DraftingMeans()
         self.deepening = DeepeningCalibration()
@@ -295,7 +297,8 @@ class Decoder:
     def _generate_spec(self, verifier: TargetVerifier, policy: SchedulePolicy, prompt, max_new, eos) -> Generation:
         req = start_request(prompt, max_new, eos, policy, self.cfg, timings=lambda: self.timings,
                             prefill=verifier.prefill, drafters=self._drafters, calibration=self.deepening,
-                            device=self.target.device, sizer=self.sizer, probe_budgets=self.probe_budgets)
+                            device=self.target.device, sizer=self.sizer, probe_budgets=self.probe_budgets,
+                            reach=self.reach)
         out: list[int] = []
         if max_new:
             budget, draft = None, None
@@ -331,9 +334,10 @@ def speculate(
     budget: Callable[[], int] | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> list[int]:
     """The rounds of a started request (request.start_request), the same whether its parts run in this process
-    or as actors: draft a tree, prune it to the budget (or let `req.sizer` choose it), verify it with `verify`,
-    and let every drafter accept the result; until `req.max_new` tokens or end of sequence. Returns the tokens,
-    `req.first` included (finish_request truncates them).
+    or as actors: draft a tree, prune it to the budget (or let `req.sizer` choose it; `req.reach` may verify a
+    copied span past the budget), verify it with `verify`, and let every drafter accept the result; until
+    `req.max_new` tokens or end of sequence. Returns the tokens, `req.first` included (finish_request truncates
+    them).
 
     A middle drafter that is no longer `alive` is left out of later rounds; one that answered some steps with
     n-gram drafting in its place (`fallback_steps`) is not counted as called for those. `on_tokens(out)` is
@@ -348,10 +352,12 @@ def speculate(
         raise ValueError("the request asked for no tokens, so it has no prefill to speculate from: finish it "
                          "(finish_request) without rounds")
     cfg, middle, sizer, stats, eos = req.cfg, req.middle, req.sizer, req.stats, req.eos
+    reach = req.reach if sizer is None else None  # a sizer weighs a copy's nodes itself
     out = [req.first]
     stop = on_tokens is not None and on_tokens(out)
-    if sizer is not None:
-        sizer.start_request()
+    for learner in (sizer, reach):
+        if learner is not None:
+            learner.start_request()
     if draft is None:
         def draft(root: int, settle: tuple[int, ...]) -> tuple[DraftTree, list[bool]]:
             live = middle if middle is not None and middle.alive else None
@@ -369,10 +375,13 @@ def speculate(
         settle = () if sizer is not None else (keep,) + req.probe_budgets
         tree, calls = (DraftTree(out[-1]), []) if plain else draft(out[-1], settle)
         pruned, kept = choose_nodes(tree, keep, sizer, started)
+        if reach is not None and (wider := reach.extend(tree, kept)) is not None:  # a copy that goes on past keep
+            pruned, kept = tree.subtree(wider), wider
         with req.timer.phase("verify"):
             verdict = verify(pruned)
-        if sizer is not None:
-            sizer.observe(tree, kept, verdict.accepted)
+        for learner in (sizer, reach):
+            if learner is not None:
+                learner.observe(tree, kept, verdict.accepted)
         if cfg.deepen and len(kept) > 1:
             note_deepening(stats, tree, kept, verdict.accepted, cfg.depth)
         if plain:  # told at the next round that drafts (no actor message, no work, per plain step)

@@ -21,7 +21,7 @@ from .drafter import Drafter
 from .ngram import PrefillCache
 from .schedule import SchedulePolicy
 from .signals import Timings, context_signals
-from .sizing import Reading, TreeSizer
+from .sizing import CopyReach, Reading, TreeSizer
 from .stats import PhaseTimer, RequestStats
 
 # Pseudo-tokens at face value in the deepening calibration: a few verified deepening nodes already move it.
@@ -60,7 +60,7 @@ class Request:
 
     `cfg` is the request's own tree settings (round_config: call budget and deepening cost filled in);
     `first` the token the prefill gave (None when no token was asked for: then there are no drafters either);
-    `sizer`, `probe_budgets`: as `engine.Decoder` takes them; `calibration`: the engine's deepening
+    `sizer`, `probe_budgets`, `reach`: as `engine.Decoder` takes them; `calibration`: the engine's deepening
     calibration, which learns from this request as it finishes."""
 
     prompt: list[int]
@@ -77,6 +77,7 @@ class Request:
     sizer: TreeSizer | None = None
     probe_budgets: tuple[int, ...] = ()
     calibration: DeepeningCalibration | None = None
+    reach: CopyReach | None = None
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -104,7 +105,7 @@ def start_request(
     timings: Callable[[], Timings], prefill: Callable[[list[int]], tuple[int, PrefillCache | None]],
     drafters: Callable[[Request], tuple[Drafter, Drafter | None]],
     calibration: DeepeningCalibration | None = None, device: torch.device | None = None,
-    sizer: TreeSizer | None = None, probe_budgets: tuple[int, ...] = (),
+    sizer: TreeSizer | None = None, probe_budgets: tuple[int, ...] = (), reach: CopyReach | None = None,
 ) -> Request:
     """Set a request up under the engine's settings `cfg` and `timings()` (read only where the policy needs
     them) and, when it asks for tokens, run `prefill(prompt) -> (first token, prefill cache)` and give its
@@ -114,7 +115,7 @@ def start_request(
     stats = RequestStats(policy.name, prompt_tokens=len(prompt))
     context = context_signals(len(prompt), timings()) if policy.needs_signals else None
     req = Request(prompt, max_new, eos, cfg, policy, stats, PhaseTimer(stats, device), context, sizer=sizer,
-                  probe_budgets=probe_budgets, calibration=calibration)
+                  probe_budgets=probe_budgets, calibration=calibration, reach=reach)
     if max_new:
         with req.timer.phase("prefill"):
             req.first, cache = prefill(prompt)

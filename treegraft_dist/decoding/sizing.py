@@ -142,6 +142,101 @@ class TreeSizer:
             np.add.at(hits, cells, hit)
 
 
+class CopyReach:
+    """How far a round verifies a copied span past its budget.
+
+    A copy under way (a pinned chain, ngram.py) can run for a dozen tokens, where the budget a scheduler was
+    fitted for may be 4: then a round verifies 3 of them, the next round 3 more, each round paying a pass. Where
+    a round's pinned chain fills its budget (no other node would be verified), this picks how many of the chain's
+    nodes to verify instead, the n among `budget` and the profiled sizes that gives the most expected tokens per
+    millisecond of verification:
+      rate(n)   (1 + E(n)) / verify_ms(n), with E(n) = sum over the chain's first n - 1 tokens of
+                P(token i accepted) = q_first * q_next ** (i - 1);
+      q_first   P(a copy's first token is accepted | its parent was), separately for a copy that picks up where
+                the last round's ended (every copied token it verified was accepted: the span went on past what
+                it verified) and for a fresh one; q_next P(the next token is | the one before was). Beta
+                estimates from the verdicts, the current request's own counts weighed against the counts across
+                requests (a code edit copies its prompt for long, a chat answer rarely), starting from PRIOR.
+    A size the profile did not measure is priced as the next measured one (passes pad their rows). Output is
+    unaffected: verification is lossless for any tree; only how much of the copy a pass checks changes.
+    """
+
+    PRIOR = (0.4, 0.8, 0.85)  # q_first of a fresh copy, q_first of one the last round verified whole, q_next
+    PRIOR_WEIGHT = 4.0
+    REQUEST_PRIOR_WEIGHT = 4.0
+
+    def __init__(self, verify_ms: dict[int, float]):
+        """`verify_ms`: the target's verification ms by tree size on this device (costs.latency_profile)."""
+        if not verify_ms:
+            raise ValueError("CopyReach needs the device's verification costs by tree size")
+        self.sizes = np.array(sorted(verify_ms))  # [S] profiled sizes, ascending
+        self.cost = np.array([verify_ms[s] for s in self.sizes], np.float64)  # [S] ms of each
+        self.hits = np.array(self.PRIOR) * self.PRIOR_WEIGHT  # [3] across requests, cells as PRIOR's
+        self.trials = np.full(3, self.PRIOR_WEIGHT)
+        self.start_request()
+
+    def start_request(self) -> None:
+        """Forget the current request's own counts (those across requests stay)."""
+        self.request_hits = np.zeros(3)
+        self.request_trials = np.zeros(3)
+        self.running = False  # the last round verified copied tokens and the target accepted all of them
+
+    def q(self) -> np.ndarray:
+        """[3] P(accepted | parent accepted) for the current request, cells as PRIOR's."""
+        across = self.hits / self.trials
+        w = self.REQUEST_PRIOR_WEIGHT
+        return np.minimum((self.request_hits + w * across) / (self.request_trials + w), Q_MAX)
+
+    def verify_cost(self, n: int) -> float:
+        """ms of a pass of `n` nodes: the smallest profiled size that holds them (past the largest: linear)."""
+        at = int(np.searchsorted(self.sizes, n))
+        if at < len(self.sizes):
+            return float(self.cost[at])
+        if len(self.sizes) == 1:
+            return float(self.cost[0] * n / self.sizes[0])
+        slope = (self.cost[-1] - self.cost[-2]) / (self.sizes[-1] - self.sizes[-2])
+        return float(self.cost[-1] + slope * (n - self.sizes[-1]))
+
+    @staticmethod
+    def chain(tree: DraftTree) -> np.ndarray:
+        """The pinned chain hanging from the root ([L] ids), else an empty array."""
+        pins = np.flatnonzero(tree.pinned[1 : tree.size]) + 1
+        if not len(pins) or tree.parents[pins[0]] != 0 or np.any(tree.parents[pins[1:]] != pins[:-1]):
+            return pins[:0]
+        return pins
+
+    def extend(self, tree: DraftTree, kept: np.ndarray) -> np.ndarray | None:
+        """The ids ([n] ascending, root first) to verify instead of `kept` (the budget's pruned tree), or None
+        to verify `kept`: only where `kept` is the root and the first nodes of a pinned chain that goes on."""
+        pins = self.chain(tree)
+        n = len(kept)
+        if n < 2 or len(pins) < n or not np.array_equal(kept[1:], pins[: n - 1]):
+            return None
+        q = self.q()
+        q_first, q_next = q[int(self.running)], q[2]
+        expected = np.r_[0.0, np.cumsum(q_first * q_next ** np.arange(len(pins)))]  # [L + 1] E(1 + i)
+        sizes = np.unique(np.minimum(np.r_[n, self.sizes[self.sizes > n]], len(pins) + 1))
+        rate = [(1.0 + expected[m - 1]) / self.verify_cost(m) for m in sizes]
+        best = int(sizes[int(np.argmax(rate))])
+        return np.r_[0, pins[: best - 1]] if best > n else None
+
+    def observe(self, tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> None:
+        """Learn from a verdict (as TreeSizer.observe takes it): every verified pinned node whose parent was
+        accepted is a trial of its cell (the first of a copy, or the next), a hit when it was accepted itself."""
+        on_path = np.zeros(tree.size, bool)
+        on_path[0] = True
+        on_path[kept[accepted]] = True
+        nodes = kept[1:]
+        pinned = nodes[tree.pinned[nodes]]
+        tried = pinned[on_path[tree.parents[pinned]]]
+        cell = np.where(tree.pinned[tree.parents[tried]], 2, int(self.running))
+        hit = on_path[tried].astype(np.float64)
+        for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
+            np.add.at(trials, cell, 1.0)
+            np.add.at(hits, cell, hit)
+        self.running = bool(len(pinned)) and bool(on_path[pinned].all())
+
+
 PROBE_COST = 1.15  # an exploring round's pass costs at most this many one-row passes (LoadBudget.probe_size)
 
 

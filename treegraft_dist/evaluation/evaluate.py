@@ -38,7 +38,7 @@ from ..decoding.costs import CANDIDATES, CostModel, choose_budget, latency_profi
 from ..decoding.engine import AR_METHOD, Decoder, Generation
 from ..decoding.schedule import SCHEDULES, ReplaySchedule, ShallowTreeHeuristic
 from ..decoding.scheduler import fitted_tree
-from ..decoding.sizing import TreeSizer
+from ..decoding.sizing import CopyReach, TreeSizer
 from ..files import write_parquet
 from ..models.loading import LoadedModel
 from ..models.paths import cache_root
@@ -50,6 +50,7 @@ from .benchmarks import BENCHMARKS, Question, builtin, chat_prompt, load_questio
 from .lossless import EXACT, MISMATCH, NEAR_TIE, Check, classify
 from .methods import (
     ALL_METHODS,
+    CAPPED,
     DEEP,
     DEFAULT_METHODS,
     ORACLE,
@@ -113,7 +114,8 @@ class EvalConfig:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
-                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; "
+                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; {CAPPED}: never "
+                                 "past the budget; "
                                  f"with {SIZED}: trees sized per round; {WIDTH}N: width N; {DEEP}N: up to N "
                                  "deepening layers)")
         if isinstance(self.budget, dict):
@@ -165,6 +167,7 @@ class Evaluation:
         self.eos = target.eos_ids
         self.budgets: dict[str, int] = {}
         self.sizers: dict[str, TreeSizer] = {}  # per sized method, learning across its requests
+        self.reaches: dict[str, CopyReach] = {}  # per other method of ours, learning across its requests
         self._verify_ms: dict[int, float] | None = None
         self._timed_decoders: dict[int, Decoder] = {}  # budget -> the decoder whose timings the others reuse
         self.rows: list[dict] = []
@@ -230,10 +233,12 @@ class Evaluation:
             tree = dataclasses.replace(tree, top_k=width_of(method))
         if deepen_of(method) is not None:
             tree = dataclasses.replace(tree, deepen=deepen_of(method))
-        sizer = None
+        sizer, reach = None, None
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
+        elif method != AR_METHOD and CAPPED not in method and tree.long_chain and tree.pin_match:  # a copied span may be verified past the budget where that pays
+            reach = self.reaches.setdefault(method, CopyReach(self.verify_ms()))
         # The forward times a decoder measures on first use depend on its budget alone. With a scheduler fitted
         # for this device they are its cost profile's (as its signals were in the fit); else measured once a
         # budget (a method's warm-up decoder measures them, its timed one reuses them).
@@ -244,7 +249,7 @@ class Evaluation:
             timings = first.measured_timings if first is not None else None
         # treegraft@paced drafts only while drafting pays (sizing.Payoff), as the server runs a request alone.
         decoder = Decoder(self.target.lm, self.middle.lm if self.middle else None, tree, timings=timings,
-                          probe_budgets=probes, sizer=sizer,
+                          probe_budgets=probes, sizer=sizer, reach=reach,
                           verify_ms=self.verify_ms() if without_settings(method) == TREEGRAFT + PACED else None)
         if timings is None:
             self._timed_decoders[tree.budget] = decoder
@@ -254,7 +259,7 @@ class Evaluation:
         if method in PEER_METHODS:
             mid = self.middle.lm if self.middle else None
             return lambda ids, n: run_peer(method, self.target.lm, mid, ids, n, self.eos)
-        suffixes = (PUBLISHED, SHALLOW, UNPINNED, SIZED, PACED, WIDTH, DEEP)
+        suffixes = (PUBLISHED, SHALLOW, UNPINNED, CAPPED, SIZED, PACED, WIDTH, DEEP)
         if self.engine is not None and any(tag in method for tag in suffixes):
             raise ValueError(f"{method}: the distributed engine runs one tree config at its budget; drop the suffix")
         decoder = self.engine if self.engine is not None else self._decoder(method, budget, probes)

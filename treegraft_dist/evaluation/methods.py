@@ -11,9 +11,11 @@
 
 Suffixes: a fixed schedule or treegraft with @published runs the published tree settings (depth 5, no long
 n-gram chains, no deepening), with @shallow only without deepening (config.TreeConfig.deepen), with @unpinned
-without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_match); a fixed
-schedule or treegraft with @sized sizes every round's tree from calibrated acceptance and this device's costs; treegraft@paced drafts
-only while drafting pays for the request (as the server runs a request alone), where treegraft drafts every round;
+without pinning a copy's chain ahead of the nodes ranked by score (config.TreeConfig.pin_match), with @capped
+never past its budget (a copied span the budget cuts short is otherwise verified further where that pays:
+sizing.CopyReach); a fixed schedule or treegraft with @sized sizes every round's tree from calibrated acceptance
+and this device's costs; treegraft@paced drafts only while drafting pays for the request (as the server runs a
+request alone), where treegraft drafts every round;
 @kN (treegraft@k4, all-mid@k10@sized) grows trees of width N instead of the method's own; @deepN (treegraft@deep4)
 may draft up to N middle layers past the depth where one more is expected to pay (config.TreeConfig.deepen).
 """
@@ -47,6 +49,10 @@ SHALLOW = "@shallow"
 # A fixed schedule or treegraft with this suffix prunes a copy's long chain by score like any other node
 # (pin_match = 0; by default a long chain behind a match of 2 tokens or more is verified first: ngram.py).
 UNPINNED = "@unpinned"
+
+# A fixed schedule or treegraft with this suffix never verifies more than its budget: a copied span the budget cuts
+# short is not verified further (sizing.CopyReach, on by default), so one run compares the two side by side.
+CAPPED = "@capped"
 
 
 # A fixed schedule or treegraft with this suffix (all-small@sized, all-small@published@sized, treegraft@sized)
@@ -96,13 +102,15 @@ def artifact_base(m: str) -> str | None:
     m = without_settings(m)
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED)) else None
+    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED, CAPPED)) else None
 
 
 def fixed_base(m: str) -> str | None:
     """The schedule of a fixed method (all-small, all-mid, a pattern, optionally @published, @shallow or @unpinned, then
     @sized), else None."""
-    base = without_settings(m).removesuffix(SIZED).removesuffix(PUBLISHED).removesuffix(SHALLOW).removesuffix(UNPINNED)
+    base = without_settings(m).removesuffix(SIZED)
+    for tag in (PUBLISHED, SHALLOW, UNPINNED, CAPPED):
+        base = base.removesuffix(tag)
     return base if base in OUR_FIXED or re.fullmatch(r"[01]+", base) else None
 
 
