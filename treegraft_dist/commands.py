@@ -185,6 +185,15 @@ def device_sizer(args, target: LoadedModel):
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
 
 
+def copy_reach(args, target: LoadedModel):
+    """Verify a copied span past the budget where this device's pass costs (measured once, cached) say it pays."""
+    from .decoding.costs import latency_profile
+    from .decoding.sizing import CopyReach
+    from .models.paths import cache_root
+
+    return CopyReach(latency_profile(target.lm, target.source, cache_root(args.cache_dir)))
+
+
 def cmd_generate(args, engine: EngineFactory) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -221,8 +230,11 @@ def cmd_generate(args, engine: EngineFactory) -> int:
         with engine(args, target, middle, cfg, sampling) as distributed:
             gen = distributed.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     else:
+        # treegraft verifies a copied span past its budget where that pays (its scheduler's setup measured the
+        # device's pass costs already).
+        reach = copy_reach(args, target) if args.method == "treegraft" and not sized and cfg.pin_match else None
         decoder = Decoder(target.lm, middle.lm if middle else None, cfg, sampling,
-                          sizer=device_sizer(args, target) if sized else None)
+                          sizer=device_sizer(args, target) if sized else None, reach=reach)
         gen = decoder.generate(list(prompt), args.max_new_tokens, method, target.eos_ids, seed=args.seed)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if args.json:
