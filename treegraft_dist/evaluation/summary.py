@@ -31,7 +31,8 @@ class Summary:
     methods: list[str]
     benchmarks: list[str]
     mismatches: list = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what the run left out (a method on fewer prompts, a stop)
+    # What the run left out (a method on fewer prompts, a stop) and outputs that went their own way after a near-tie.
+    notes: list[str] = field(default_factory=list)
 
     def table(self) -> str:
         split = [g for g in ("(held-in)", "(held-out)") if any(r["benchmark"] == g for r in self.rows)]
@@ -82,6 +83,12 @@ def summarize(t: pa.Table, methods: list[str]) -> Summary:
             continue
         if len(mine) < ar_count:
             notes.append(f"{m} ran on {len(mine)} of the {ar_count} prompts: its speedups are over those prompts")
+        apart = [f"{r['benchmark']}/{r['prompt_id']}" + (f" from token {r['diverge_at']}"
+                                                         if r.get("diverge_at") is not None else "")
+                 for r in mine if row_verdict(r) == NEAR_TIE]
+        if apart:  # a rounding flip at a near-tie: the rest of that output is other text, decoded at its own speed
+            notes.append(f"{m} decoded other text than ar after a near-tie on {', '.join(apart)}: its speed there "
+                         "is on that text")
         for b in benches:
             sub = [r for r in mine if r["benchmark"] == b]
             if not sub:
