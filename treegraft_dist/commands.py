@@ -174,24 +174,28 @@ def treegraft_policy(args, target: LoadedModel, middle: LoadedModel | None, prom
     return found[0]
 
 
-def device_sizer(args, target: LoadedModel):
-    """treegraft sizes every round's tree for this device's verification costs (measured once, cached), up to
---budget or the largest size measured."""
+def device_costs(args, target: LoadedModel) -> dict[int, float]:
+    """This device's verification ms by tree size (measured once, cached: costs.latency_profile)."""
     from .decoding.costs import latency_profile
-    from .decoding.sizing import TreeSizer
     from .models.paths import cache_root
 
-    costs = latency_profile(target.lm, target.source, cache_root(args.cache_dir))
+    return latency_profile(target.lm, target.source, cache_root(args.cache_dir))
+
+
+def device_sizer(args, target: LoadedModel):
+    """treegraft sizes every round's tree for this device's verification costs, up to --budget or the largest
+    size measured."""
+    from .decoding.sizing import TreeSizer
+
+    costs = device_costs(args, target)
     return TreeSizer(costs, max_size=max(costs) if args.budget is None else args.budget)
 
 
 def copy_reach(args, target: LoadedModel):
-    """Verify a copied span past the budget where this device's pass costs (measured once, cached) say it pays."""
-    from .decoding.costs import latency_profile
+    """Verify a copied span past the budget where this device's pass costs say it pays."""
     from .decoding.sizing import CopyReach
-    from .models.paths import cache_root
 
-    return CopyReach(latency_profile(target.lm, target.source, cache_root(args.cache_dir)))
+    return CopyReach(device_costs(args, target))
 
 
 def cmd_generate(args, engine: EngineFactory) -> int:

@@ -49,7 +49,45 @@ class SizeChoice:
     expected: float  # expected accepted tokens (bonus token excluded) of that tree under the table
 
 
-class TreeSizer:
+class AcceptanceTable:
+    """Beta counts of acceptance by cell: across requests (from a prior mean worth `prior_weight` trials a cell) and
+    for the current request, whose own counts are weighed against the table across requests as a prior of
+    `request_weight` trials."""
+
+    def __init__(self, prior_mean: np.ndarray, prior_weight: float, request_weight: float):
+        self.hits = np.asarray(prior_mean, np.float64) * prior_weight
+        self.trials = np.full(self.hits.shape, float(prior_weight))
+        self.request_weight = request_weight
+        self.start_request()
+
+    def start_request(self) -> None:
+        """Forget the current request's own counts (the table across requests stays)."""
+        self.request_hits = np.zeros_like(self.hits)
+        self.request_trials = np.zeros_like(self.trials)
+
+    def q(self) -> np.ndarray:
+        """P(accepted | parent accepted) per cell for the current request."""
+        across = self.hits / self.trials
+        w = self.request_weight
+        return np.minimum((self.request_hits + w * across) / (self.request_trials + w), Q_MAX)
+
+    def count(self, cells, hit: np.ndarray) -> None:
+        """Trials at `cells` (an index into the table), hits where `hit` is 1: across requests and for this one."""
+        for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
+            np.add.at(trials, cells, 1.0)
+            np.add.at(hits, cells, hit)
+
+
+def on_accepted_path(tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> np.ndarray:
+    """[tree size] bool: the root and the nodes a verdict accepted (`accepted`: ids of the verified tree, root
+    excluded; `kept`: the verified tree's ids in `tree`)."""
+    on_path = np.zeros(tree.size, bool)
+    on_path[0] = True
+    on_path[kept[accepted]] = True
+    return on_path
+
+
+class TreeSizer(AcceptanceTable):
     """The calibration table (learned across the requests it sees) and the per-round choice."""
 
     def __init__(self, verify_ms: dict[int, float], max_size: int, drafting_ms: float = 1.0):
@@ -61,23 +99,9 @@ class TreeSizer:
         self.sizes = np.array(sizes)  # [S] int64: the measured sizes <= max_size, ascending
         self.cost = np.array([verify_ms[s] for s in sizes], np.float64)  # [S] verification ms of each
         self.drafting_ms = drafting_ms
-        shape = (ORIGINS, RANKS, len(DEPTH_BINS) + 1, len(EDGE_BINS) + 1)  # [2, 4, 5, 4] cells
-        prior = np.broadcast_to(PRIOR_MEAN_BY_RANK[None, :, None, None], shape)
-        self.hits = prior * PRIOR_WEIGHT  # Beta posterior across requests: hits / trials is the mean
-        self.trials = np.full(shape, PRIOR_WEIGHT)
-        self.start_request()
-
-    def start_request(self) -> None:
-        """Forget the current request's own counts (the table across requests stays)."""
-        self.request_hits = np.zeros_like(self.hits)
-        self.request_trials = np.zeros_like(self.trials)
-
-    def q_table(self) -> np.ndarray:
-        """P(accepted | parent accepted) per cell for the current request: [2, 4, 5, 4] (origin, rank, depth
-        bin, edge bin), as `cells` indexes it."""
-        across = self.hits / self.trials
-        q = (self.request_hits + REQUEST_PRIOR_WEIGHT * across) / (self.request_trials + REQUEST_PRIOR_WEIGHT)
-        return np.minimum(q, Q_MAX)
+        shape = (ORIGINS, RANKS, len(DEPTH_BINS) + 1, len(EDGE_BINS) + 1)  # [2, 4, 5, 4] cells, as `cells` indexes
+        super().__init__(np.broadcast_to(PRIOR_MEAN_BY_RANK[None, :, None, None], shape), PRIOR_WEIGHT,
+                         REQUEST_PRIOR_WEIGHT)
 
     # -- per node -------------------------------------------------------------------------------------
     def cells(self, tree: DraftTree) -> tuple[np.ndarray, ...]:
@@ -101,7 +125,7 @@ class TreeSizer:
         """[size] P(node accepted) under the table; P(root) = 1."""
         n = tree.size
         q = np.zeros(n)
-        q[1:] = self.q_table()[self.cells(tree)]
+        q[1:] = self.q()[self.cells(tree)]
         # Greedy acceptance takes at most one child: a parent's children share at most its probability.
         total = np.bincount(tree.parents[1:n], weights=q[1:], minlength=n)
         q[1:] /= np.maximum(total[tree.parents[1:n]], 1.0)
@@ -128,21 +152,14 @@ class TreeSizer:
         """Learn from one verdict: every verified node whose parent was accepted (the root always is) is a
         trial, a hit when it was accepted itself. `kept`: [verified size], as `choose` gives it; `accepted`:
         ids of the verified tree (root excluded)."""
-        on_path = np.zeros(tree.size, bool)
-        on_path[0] = True
-        on_path[kept[accepted]] = True
+        on_path = on_accepted_path(tree, kept, accepted)
         nodes = kept[1:]
         tried = nodes[on_path[tree.parents[nodes]]]
-        if not len(tried):
-            return
-        cells = tuple(c[tried - 1] for c in self.cells(tree))
-        hit = on_path[tried].astype(np.float64)
-        for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
-            np.add.at(trials, cells, 1.0)
-            np.add.at(hits, cells, hit)
+        if len(tried):
+            self.count(tuple(c[tried - 1] for c in self.cells(tree)), on_path[tried].astype(np.float64))
 
 
-class CopyReach:
+class CopyReach(AcceptanceTable):
     """How far a round verifies a copied span past its budget.
 
     A copy under way (a pinned chain, ngram.py) can run for a dozen tokens, where the budget a scheduler was
@@ -171,21 +188,11 @@ class CopyReach:
             raise ValueError("CopyReach needs the device's verification costs by tree size")
         self.sizes = np.array(sorted(verify_ms))  # [S] profiled sizes, ascending
         self.cost = np.array([verify_ms[s] for s in self.sizes], np.float64)  # [S] ms of each
-        self.hits = np.array(self.PRIOR) * self.PRIOR_WEIGHT  # [3] across requests, cells as PRIOR's
-        self.trials = np.full(3, self.PRIOR_WEIGHT)
-        self.start_request()
+        super().__init__(np.array(self.PRIOR), self.PRIOR_WEIGHT, self.REQUEST_PRIOR_WEIGHT)  # [3] cells as PRIOR's
 
     def start_request(self) -> None:
-        """Forget the current request's own counts (those across requests stay)."""
-        self.request_hits = np.zeros(3)
-        self.request_trials = np.zeros(3)
+        super().start_request()
         self.running = False  # the last round verified copied tokens and the target accepted all of them
-
-    def q(self) -> np.ndarray:
-        """[3] P(accepted | parent accepted) for the current request, cells as PRIOR's."""
-        across = self.hits / self.trials
-        w = self.REQUEST_PRIOR_WEIGHT
-        return np.minimum((self.request_hits + w * across) / (self.request_trials + w), Q_MAX)
 
     def verify_cost(self, n: int) -> float:
         """ms of a pass of `n` nodes: the smallest profiled size that holds them (past the largest: linear)."""
@@ -223,17 +230,11 @@ class CopyReach:
     def observe(self, tree: DraftTree, kept: np.ndarray, accepted: list[int]) -> None:
         """Learn from a verdict (as TreeSizer.observe takes it): every verified pinned node whose parent was
         accepted is a trial of its cell (the first of a copy, or the next), a hit when it was accepted itself."""
-        on_path = np.zeros(tree.size, bool)
-        on_path[0] = True
-        on_path[kept[accepted]] = True
+        on_path = on_accepted_path(tree, kept, accepted)
         nodes = kept[1:]
         pinned = nodes[tree.pinned[nodes]]
         tried = pinned[on_path[tree.parents[pinned]]]
-        cell = np.where(tree.pinned[tree.parents[tried]], 2, int(self.running))
-        hit = on_path[tried].astype(np.float64)
-        for hits, trials in ((self.hits, self.trials), (self.request_hits, self.request_trials)):
-            np.add.at(trials, cell, 1.0)
-            np.add.at(hits, cell, hit)
+        self.count(np.where(tree.pinned[tree.parents[tried]], 2, int(self.running)), on_path[tried].astype(np.float64))
         self.running = bool(len(pinned)) and bool(on_path[pinned].all())
 
 

@@ -114,8 +114,8 @@ class EvalConfig:
             if not is_method(m):
                 raise ValueError(f"unknown method {m!r}: use {', '.join(ALL_METHODS)} or a 5-bit pattern such "
                                  f"as 01001 (a fixed one or treegraft with {PUBLISHED}: the published tree settings; "
-                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; {CAPPED}: never "
-                                 "past the budget; "
+                                 f"{SHALLOW}: no deepening layers; {UNPINNED}: a copy's chain pruned by score; "
+                                 f"{CAPPED}: never past the budget; "
                                  f"with {SIZED}: trees sized per round; {WIDTH}N: width N; {DEEP}N: up to N "
                                  "deepening layers)")
         if isinstance(self.budget, dict):
@@ -237,7 +237,8 @@ class Evaluation:
         if is_sized(method):
             costs = self.verify_ms()
             sizer = self.sizers.setdefault(method, TreeSizer(costs, max_size=max(costs)))
-        elif method != AR_METHOD and CAPPED not in method and tree.long_chain and tree.pin_match:  # a copied span may be verified past the budget where that pays
+        elif method != AR_METHOD and CAPPED not in method and tree.long_chain and tree.pin_match:
+            # A copied span the budget cuts short may be verified further where that pays.
             reach = self.reaches.setdefault(method, CopyReach(self.verify_ms()))
         # The forward times a decoder measures on first use depend on its budget alone. With a scheduler fitted
         # for this device they are its cost profile's (as its signals were in the fit); else measured once a

@@ -102,7 +102,8 @@ def artifact_base(m: str) -> str | None:
     m = without_settings(m)
     if m in ARTIFACT_METHODS:
         return m
-    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED, CAPPED)) else None
+    tags = (SIZED, PACED, SHALLOW, PUBLISHED, UNPINNED, CAPPED)
+    return TREEGRAFT if m in tuple(TREEGRAFT + tag for tag in tags) else None
 
 
 def fixed_base(m: str) -> str | None:
